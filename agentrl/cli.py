@@ -1,0 +1,157 @@
+"""`agentrl`: the one command-line entry point, grouped by job.
+
+Each group lives with its stage and imports heavy modules (torch, transformers, the grader) only inside
+the command that needs them, so `agentrl --help` is instant. A subcommand exists here only once it works.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="agentrl",
+    help="Reinforcement learning for LLM agents that use tools while they reason (TORL, Search-R1, LIMR).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+tasks_app = typer.Typer(help="Validate, render and check task specs (tasks/*.yaml).", no_args_is_help=True)
+app.add_typer(tasks_app, name="tasks")
+
+SetOption = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer reads the annotation at runtime on Python 3.10
+    typer.Option("--set", "-s", help="Override a key: --set dataset.path=data.jsonl (repeatable)."),
+]
+DEFAULT_TOKENIZER = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+@tasks_app.command("validate")
+def tasks_validate(
+    files: Annotated[list[Path], typer.Argument(help="Task spec files.")],
+    overrides: SetOption = None,
+    load: Annotated[bool, typer.Option(help="Also load the dataset and resolve every row.")] = False,
+) -> None:
+    """Check task specs: keys, types, reward parameters, budgets, and that local datasets exist."""
+    from agentrl.config import ConfigError
+    from agentrl.task import load_task
+
+    failed = 0
+    for path in files:
+        try:
+            task = load_task(path, overrides or [])
+            task.check_dataset()
+            rows = f", {len(task.rows())} rows" if load else ""
+        except ConfigError as e:
+            failed += 1
+            typer.echo(f"FAIL {e}", err=True)
+            continue
+        s = task.spec
+        tools = f"{s.tools.format} {s.tools.names}" if s.tools.format else "no tools"
+        typer.echo(f"ok   {path}: {s.name}; dataset {s.dataset.path}{rows}; {tools}; reward {s.reward.name}")
+    if failed:
+        raise typer.Exit(code=1)
+
+
+@tasks_app.command("show")
+def tasks_show(
+    file: Annotated[Path, typer.Argument(help="A task spec file.")],
+    n: Annotated[int, typer.Option("-n", help="How many prompts to render.")] = 3,
+    overrides: SetOption = None,
+    tokenizer: Annotated[
+        str, typer.Option(help="Tokenizer (local dir or hub name) for chat templates and token counts.")
+    ] = DEFAULT_TOKENIZER,
+    ids: Annotated[bool, typer.Option(help="Also print the token ids.")] = False,
+) -> None:
+    """Render the first prompts exactly as the model will see them, with token counts."""
+    from agentrl.config import ConfigError
+    from agentrl.task import load_task, load_tokenizer
+
+    try:
+        task = load_task(file, overrides or [])
+        tok = load_tokenizer(tokenizer)
+        prompts = []
+        for prompt in task.prompts(tok):
+            prompts.append(prompt)
+            if len(prompts) == n:
+                break
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    for i, p in enumerate(prompts, 1):
+        typer.echo(f"──── prompt {i}/{len(prompts)} · id {p.id} · {len(p.token_ids)} tokens · answer {p.ground_truth!r} ────")
+        typer.echo(p.text, nl=False)
+        typer.echo("\n──── end of prompt ────")
+        if ids:
+            typer.echo(f"token ids: {list(p.token_ids)}")
+    if task.dropped_too_long:
+        typer.echo(f"({task.dropped_too_long} prompts over budgets.max_prompt_tokens were skipped)")
+
+
+@tasks_app.command("check")
+def tasks_check(
+    file: Annotated[Path, typer.Argument(help="A task spec file.")],
+    field: Annotated[str, typer.Option(help="The dataset field holding a reference response.")] = "solution",
+    overrides: SetOption = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write config.yaml, results.jsonl, summary.json here.")] = None,  # noqa: UP045
+    show_failures: Annotated[int, typer.Option(help="How many failures to list.")] = 20,
+) -> None:
+    """Grade a reference field of every row (e.g. MATH's `solution`) with the task's reward.
+
+    A check that answer extraction and the grader agree with the dataset before training on it.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentrl.config import ConfigError, atomic_write_text, write_resolved
+    from agentrl.rewards import build_reward
+    from agentrl.task import load_task
+
+    try:
+        task = load_task(file, overrides or [])
+        rows = task.rows()
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    missing = [r.id for r in rows if field not in r.fields]
+    if missing:
+        raise _fail(f"--field {field!r}: {len(missing)} rows lack it (first: row {missing[0]})")
+    reward = build_reward(task.spec.reward.name, task.spec.reward.params)
+    results, failures = [], []
+    for r in rows:
+        res = reward(str(r.fields[field]), r.ground_truth)
+        results.append({"id": r.id, "score": res.score, **res.parts, "ground_truth": r.ground_truth})
+        if res.parts.get("correct", 0.0) < 1.0:
+            failures.append(r)
+    n_correct = len(rows) - len(failures)
+    fraction = n_correct / len(rows) if rows else 0.0
+
+    console = Console(highlight=False)
+    table = Table(title=f"{task.spec.name}: `{field}` graded by reward {task.spec.reward.name!r}")
+    for col in ("rows", "correct", "fraction", "mean score"):
+        table.add_column(col, justify="right")
+    mean = sum(res["score"] for res in results) / len(results) if results else 0.0
+    table.add_row(str(len(rows)), str(n_correct), f"{fraction:.4f}", f"{mean:.4f}")
+    console.print(table)
+    for r in failures[:show_failures]:
+        console.print(f"  wrong: row {r.id}: graded {str(r.fields[field])[-80:]!r} against {r.ground_truth!r}", markup=False)
+    if out is not None:
+        write_resolved(task.spec, out)
+        atomic_write_text(out / "results.jsonl", "".join(json.dumps(res) + "\n" for res in results))
+        summary = {"task": task.spec.name, "field": field, "rows": len(rows), "correct": n_correct, "fraction": fraction}
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        console.print(f"wrote {out}/config.yaml, results.jsonl, summary.json", markup=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

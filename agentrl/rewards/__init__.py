@@ -1,0 +1,41 @@
+"""Rewards by name: a task spec says `reward: {name: math, params: {...}}` and the trainer builds it here.
+
+A reward is called once per trajectory with the response text only (DESIGN.md invariant 5):
+`reward(response, ground_truth, *, tool_calls=0, tool_errors=0) -> RewardResult`, the score plus named
+sub-scores (`correct`, `has_answer`, ...) that the trainer logs as `reward/<name>`. `ground_truth` is one
+answer or a list of acceptable ones. math.py grades boxed math answers (TORL); qa.py scores `<answer>`
+tags by exact match or F1 (Search-R1). Each reward class carries its parameters as a nested `Params`
+model, so task.py validates them with `params_model(name)` before anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from agentrl.config import StrictModel
+from agentrl.rewards.math import MathReward
+from agentrl.rewards.qa import QAF1, QAExactMatch
+from agentrl.types import RewardResult
+
+
+class Reward(Protocol):
+    def __call__(
+        self, response: str, ground_truth: str | list[str], *, tool_calls: int = 0, tool_errors: int = 0
+    ) -> RewardResult: ...
+
+
+REWARDS: dict[str, type] = {"math": MathReward, "qa_em": QAExactMatch, "qa_f1": QAF1}
+
+
+def params_model(name: str) -> type[StrictModel]:
+    """The parameter model of reward `name`; ValueError naming the known rewards otherwise."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; expected one of: {', '.join(REWARDS)}")
+    return REWARDS[name].Params
+
+
+def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:
+    """Reward `name` with `params` validated by its `Params` model (an unknown key is a pydantic
+    ValidationError naming it)."""
+    model = params_model(name)
+    return REWARDS[name](model.model_validate(params or {}))

@@ -1,0 +1,52 @@
+"""Tools the model calls while it reasons, behind one narrow interface.
+
+A `Tool` turns a `ToolCall` (parsed from model text by a ToolFormat, tools/formats.py) into a
+`ToolResult` (agentrl/types.py). Failures never raise out of `call`: a timeout, a 5xx or a dead service
+becomes a result whose `error` names the kind and whose `text` the model sees (DESIGN.md invariant 4).
+Clients: code.py (the sandbox service, sandbox/) and search.py (the retrieval service, retriever/).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from agentrl.types import ToolCall, ToolResult
+
+
+@runtime_checkable
+class Tool(Protocol):
+    name: str
+
+    async def call(self, call: ToolCall) -> ToolResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+# Function schemas of the tools, in the OpenAI / Hermes style that chat templates render into the
+# system prompt (tasks with `tools.format: hermes`). Keys are the tool names task specs use.
+TOOL_SCHEMAS: dict[str, dict] = {
+    "python": {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code and return what it prints (stdout, and stderr on error).",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+                "required": ["code"],
+            },
+        },
+    },
+    "search": {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search an encyclopedia and return the most relevant passages.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "The search query."}},
+                "required": ["query"],
+            },
+        },
+    },
+}

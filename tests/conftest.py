@@ -1,0 +1,59 @@
+"""Shared fixtures: the repo and ../shared locations, a tiny tokenizer trained here, the real Qwen one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+QWEN_DIR = SHARED / "tokenizers" / "qwen2.5-0.5b-instruct"
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def shared_file(relative: str) -> Path:
+    """A file under ../shared/data, or skip the test saying why."""
+    path = SHARED / relative
+    if not path.exists():
+        pytest.skip(f"{path} is absent: this test needs the shared benchmark files beside the repo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in a second on a few sentences, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "A conversation between User and Assistant. The user asks a question.",
+        "Compute 2 + 3 and put the answer in \\boxed{5}. ```python\nprint(2 + 3)\n```\n```output\n5\n```",
+        "<search> who wrote hamlet </search> <information> Doc 1 </information> <answer> Shakespeare </answer>",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The real Qwen2.5-Instruct tokenizer from ../shared (skips where it is absent)."""
+    if not (QWEN_DIR / "vocab.json").exists():
+        pytest.skip(f"{QWEN_DIR} is absent: this test needs the real Qwen2.5 tokenizer from ../shared")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(QWEN_DIR)

@@ -1,0 +1,30 @@
+"""The `agentrl` entry point and import hygiene: --help stays light, the services never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+HEAVY = ("torch", "transformers", "datasets", "ray", "math_verify", "sympy", "pydantic")
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+
+
+def test_cli_import_is_light():
+    out = run_python(f"import sys, agentrl.cli; print([m for m in {HEAVY!r} if m in sys.modules])")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_help_lists_only_working_groups():
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "tasks" in out.stdout
+    for sub in ("validate", "show", "check"):
+        sub_help = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", sub, "--help"],
+                                  capture_output=True, text=True, cwd=REPO)
+        assert sub_help.returncode == 0 and "Usage" in sub_help.stdout
