@@ -1,14 +1,17 @@
 """The spine of types every stage passes along (DESIGN.md, "One spine of types").
 
-task.py makes `Prompt`s; tools/ turn a `ToolCall` into a `ToolResult`; rewards/ return a `RewardResult`.
-The rollout types (segments, trajectories, stop reasons) join them here as the rollout lands.
+task.py makes `Prompt`s; rollout.py turns each into `Trajectory`s (prompt ids followed by `Segment`s of
+model-sampled or tool-observation tokens, one `StopReason`); tools/ turn a `ToolCall` into a
+`ToolResult`; rewards/ return a `RewardResult`; the learner packs trajectories into tensors using
+`Trajectory.loss_mask`, the one place the mask is built (DESIGN.md invariant 2).
 No torch here: the services and the CLI import this module.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,78 @@ class RewardResult:
 
     score: float
     parts: dict[str, float] = field(default_factory=dict)
+
+
+class StopReason(str, enum.Enum):
+    """Why a trajectory ended; exactly one per trajectory (DESIGN.md invariant 3)."""
+
+    ANSWERED = "answered"  # the tool format saw a final answer (e.g. </answer>)
+    EOS = "eos"  # the model ended its turn without a tool call
+    MAX_TURNS = "max_turns"  # it called a tool on its last allowed turn
+    MAX_TOOL_CALLS = "max_tool_calls"  # it called a tool once more than allowed
+    TURN_LENGTH = "turn_length"  # one turn reached budgets.max_tokens_per_turn without stopping
+    RESPONSE_BUDGET = "response_budget"  # the response reached budgets.max_response_tokens
+    CONTEXT_LIMIT = "context_limit"  # prompt + response reached budgets.max_context_tokens
+
+
+@dataclass
+class Segment:
+    """A run of response tokens from one source. `model` segments hold exactly the ids the engine
+    sampled, with their logprobs; `tool` segments hold the ids of a tokenized observation."""
+
+    source: Literal["model", "tool"]
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # model segments: one per token
+
+    def __post_init__(self) -> None:
+        if self.source == "model" and (self.logprobs is None or len(self.logprobs) != len(self.token_ids)):
+            raise ValueError("a model segment needs one logprob per token")
+
+
+@dataclass
+class ToolRecord:
+    """One tool call of a trajectory, for metrics and dumps."""
+
+    turn: int
+    call: ToolCall | None  # None: the model's call could not be parsed
+    result: ToolResult
+
+
+@dataclass
+class Trajectory:
+    """Prompt ids followed by segments. `response_ids` is what the model saw after the prompt, in order;
+    `loss_mask` marks the tokens the model sampled."""
+
+    prompt: Prompt
+    segments: list[Segment]
+    stop_reason: StopReason
+    sample: int = 0  # index within its group (n samples per prompt)
+    tool_records: list[ToolRecord] = field(default_factory=list)
+    reward: RewardResult | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 on model-sampled tokens, 0 on tool-observation tokens; the prompt is not part of it."""
+        return [1 if s.source == "model" else 0 for s in self.segments for _ in s.token_ids]
+
+    @property
+    def response_logprobs(self) -> list[float]:
+        """The engine's logprob of each response token; 0.0 on tool tokens (masked out anyway)."""
+        return [lp for s in self.segments for lp in (s.logprobs if s.source == "model" else [0.0] * len(s.token_ids))]
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for s in self.segments if s.source == "model")
+
+
+@dataclass
+class Group:
+    """The n trajectories sampled for one prompt; group-relative advantages are computed over it."""
+
+    prompt: Prompt
+    trajectories: list[Trajectory]
