@@ -1,0 +1,67 @@
+"""Engines: the one narrow interface between the rollout (rollout.py) and a model that generates.
+
+`Engine.generate(prompt_ids, sampling)` continues a token sequence and returns a `Completion`: exactly the
+ids sampled, each with its logprob, and why generation stopped. Stop strings stay in the output (the
+token that completes a stop string is returned whole, even when the string ends inside it), so the ids
+the learner trains on are the ids sampled (DESIGN.md invariant 1).
+
+Logprobs are those of the distribution sampled from, before top-p / top-k truncation:
+log_softmax(logits / temperature), with temperature 1 for greedy decoding.
+
+Implementations: hf.py (transformers; CPU and GPU; the test double and small runs) and vllm.py (vLLM
+AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.py and colocated training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # fixes this request's draws; None: the engine's own stream
+
+    def with_(self, **changes: object) -> Sampling:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    stop_str: str | None = None  # the stop string that ended generation; None for EOS or length
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
+        """Continue `prompt_ids`. `session` names the trajectory, so that an engine with several replicas
+        sends all its turns to the same one (its prefix cache holds the earlier turns)."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def stop_completed_in_last_token(text: str, text_before_last: str, stops: Iterable[str]) -> str | None:
+    """The stop string that the last token completed, if any. `text` is the decoded output so far and
+    `text_before_last` the same without its last token: a stop string counts only when its end lies in
+    the last token, because it would have stopped generation earlier otherwise."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        if not s:
+            continue
+        start = text.find(s, max(0, len(text_before_last) - len(s) + 1))
+        if start >= 0 and (best is None or start < best[0]):
+            best = (start, s)
+    return best[1] if best else None

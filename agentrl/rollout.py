@@ -1,0 +1,254 @@
+"""The agent loop: prompts in, `Trajectory`s out (DESIGN.md invariants 1-6).
+
+A `TrajectoryBuilder` is the state machine of one trajectory: it asks for a model turn with the token
+budget left, takes the engine's `Completion` (kept as a model segment, ids and logprobs exactly as
+sampled), decodes those ids (never the engine's text) and lets the task's tool format (tools/formats.py)
+decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Tool results
+(tools/) are rendered, tokenized on their own and appended as a masked tool segment. A failed tool is an
+observation, never an exception (invariant 4).
+
+Two drivers run builders: `mode="async"` gives each trajectory its own asyncio task, so one trajectory's
+tool call overlaps the others' generation; `mode="turn_sync"` runs every trajectory's turn k together,
+then every tool call of turn k (the ToRL / Search-R1 / TRL loop), kept as a baseline for bench/.
+Rewards, advantages and packing come after this stage (rewards/, algo/, learner/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from agentrl.config import StrictModel, atomic_write_text
+from agentrl.engine import Completion, Engine, Sampling, stop_completed_in_last_token
+from agentrl.task import Budgets
+from agentrl.tools import Tool
+from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
+from agentrl.types import Group, Prompt, Segment, StopReason, ToolCall, ToolRecord, ToolResult, Trajectory
+
+
+class RolloutConfig(StrictModel):
+    n: int = Field(default=8, ge=1)  # samples per prompt
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int = 0
+    mode: Literal["async", "turn_sync"] = "async"
+    tool_timeout_s: float = Field(default=60.0, gt=0)  # a last resort: tools have their own timeouts
+
+
+class TrajectoryBuilder:
+    def __init__(self, prompt: Prompt, sample: int, fmt: ToolFormat, budgets: Budgets, tokenizer: Any, seed: int = 0):
+        self.prompt, self.sample, self.fmt, self.budgets, self.tokenizer = prompt, sample, fmt, budgets, tokenizer
+        self.key = f"{prompt.id}/{sample}"
+        self.ids = list(prompt.token_ids)
+        self.segments: list[Segment] = []
+        self.records: list[ToolRecord] = []
+        self.stop: StopReason | None = None
+        self.turn = 0
+        self.tool_calls = 0
+        self.invalid_turns = 0
+        self.timings = {"generate_s": 0.0, "tool_s": 0.0}
+        self._seed = seed
+        self._turn_limit = StopReason.RESPONSE_BUDGET
+        self._turn_text = ""
+
+    @property
+    def response_len(self) -> int:
+        return len(self.ids) - len(self.prompt.token_ids)
+
+    def _room(self) -> tuple[int, int]:
+        b = self.budgets
+        context = b.max_context_tokens - len(self.ids) if b.max_context_tokens else 1 << 62
+        return b.max_response_tokens - self.response_len, context
+
+    def next_sampling(self, base: Sampling) -> Sampling | None:
+        """The sampling of the next model turn, or None (with the stop reason set) when none is left."""
+        if self.stop is not None:
+            return None
+        response, context = self._room()
+        if context <= 0:
+            self.stop = StopReason.CONTEXT_LIMIT
+        elif response <= 0:
+            self.stop = StopReason.RESPONSE_BUDGET
+        if self.stop is not None:
+            return None
+        limits = [(response, StopReason.RESPONSE_BUDGET), (context, StopReason.CONTEXT_LIMIT)]
+        if self.budgets.max_tokens_per_turn:
+            limits.append((self.budgets.max_tokens_per_turn, StopReason.TURN_LENGTH))
+        max_tokens, self._turn_limit = min(limits, key=lambda x: x[0])
+        # A seed per (run, prompt, sample, turn): reproducible, yet not the same draws every turn.
+        seed = zlib.crc32(f"{self._seed}/{self.key}/{self.turn}".encode())
+        return base.with_(max_tokens=max_tokens, stop=self.fmt.stop, seed=seed)
+
+    def add_completion(self, c: Completion) -> Calls | Invalid | None:
+        """Record a model turn; return what must run before the next turn, or None."""
+        self.turn += 1
+        self.segments.append(Segment("model", list(c.token_ids), list(c.logprobs)))
+        self.ids.extend(c.token_ids)
+        text = self.tokenizer.decode(c.token_ids)
+        before = self.tokenizer.decode(c.token_ids[:-1])
+        stop = stop_completed_in_last_token(text, before, self.fmt.stop) if self.fmt.stop else None
+        if stop is not None:  # parse up to the stop string; the last token may run past it
+            text = text[: text.find(stop, max(0, len(before) - len(stop) + 1)) + len(stop)]
+        elif c.finish_reason == "length":
+            self.stop = self._turn_limit
+            return None
+        self._turn_text = text
+        action = self.fmt.parse(text, stop)
+        if action is None:
+            self.stop = StopReason.EOS
+        elif isinstance(action, Answer):
+            self.stop = StopReason.ANSWERED
+        elif self.turn >= self.budgets.max_turns:
+            self.stop = StopReason.MAX_TURNS
+        elif isinstance(action, Calls) and self.tool_calls + len(action.calls) > self.budgets.max_tool_calls:
+            self.stop = StopReason.MAX_TOOL_CALLS
+        else:
+            return action
+        return None
+
+    def add_observation(self, action: Calls | Invalid, results: Sequence[ToolResult]) -> None:
+        if isinstance(action, Calls):
+            self.tool_calls += len(action.calls)
+            self.records += [ToolRecord(self.turn, c, r) for c, r in zip(action.calls, results, strict=True)]
+            text = self.fmt.render(action.calls, list(results), self._turn_text)
+        else:
+            self.invalid_turns += 1
+            text = self.fmt.render_invalid(action, self._turn_text)
+        obs_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.budgets.observation_max_tokens:
+            obs_ids = obs_ids[: self.budgets.observation_max_tokens]
+        response, context = self._room()
+        # An observation that leaves the model no room to answer ends the trajectory unappended.
+        if context - len(obs_ids) < 1:
+            self.stop = StopReason.CONTEXT_LIMIT
+        elif response - len(obs_ids) < 1:
+            self.stop = StopReason.RESPONSE_BUDGET
+        else:
+            self.segments.append(Segment("tool", obs_ids))
+            self.ids.extend(obs_ids)
+
+    def finish(self) -> Trajectory:
+        assert self.stop is not None, "finish() before the trajectory stopped"
+        timings = dict(self.timings, turns=float(self.turn), invalid_turns=float(self.invalid_turns))
+        return Trajectory(self.prompt, self.segments, self.stop, self.sample, self.records, timings=timings)
+
+
+async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
+    """Run one call; every failure becomes a result the model sees (invariant 4)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(f"Error: there is no tool {call.name!r}; available: {', '.join(tools)}", error="unknown_tool")
+    t0 = time.perf_counter()
+    try:
+        return await asyncio.wait_for(tool.call(call), timeout_s)
+    except asyncio.TimeoutError:
+        return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="timeout",
+                          latency_s=time.perf_counter() - t0)
+    except Exception as e:  # a tool client should not raise; if it does, the batch still goes on
+        return ToolResult(f"Error: {type(e).__name__}: {e}", error="exception", latency_s=time.perf_counter() - t0)
+
+
+async def _run_tools(b: TrajectoryBuilder, action: Calls | Invalid, tools: dict[str, Tool], timeout_s: float) -> None:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(call_tool(c, tools, timeout_s) for c in action.calls)) if isinstance(action, Calls) else []
+    b.timings["tool_s"] += time.perf_counter() - t0
+    b.add_observation(action, results)
+
+
+async def _generate(b: TrajectoryBuilder, engine: Engine, sampling: Sampling) -> Calls | Invalid | None:
+    t0 = time.perf_counter()
+    completion = await engine.generate(b.ids, sampling, session=b.key)
+    b.timings["generate_s"] += time.perf_counter() - t0
+    return b.add_completion(completion)
+
+
+async def _run_async(b: TrajectoryBuilder, engine: Engine, tools: dict[str, Tool], base: Sampling, timeout_s: float) -> None:
+    while (sampling := b.next_sampling(base)) is not None:
+        action = await _generate(b, engine, sampling)
+        if action is not None:
+            await _run_tools(b, action, tools, timeout_s)
+
+
+async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, tools: dict[str, Tool], base: Sampling,
+                         timeout_s: float) -> None:
+    while True:
+        turn = [(b, s) for b in builders if (s := b.next_sampling(base)) is not None]
+        if not turn:
+            return
+        actions = await asyncio.gather(*(_generate(b, engine, s) for b, s in turn))
+        await asyncio.gather(*(_run_tools(b, a, tools, timeout_s) for (b, _), a in zip(turn, actions, strict=True) if a))
+
+
+async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
+                  budgets: Budgets, tokenizer: Any, config: RolloutConfig) -> list[Group]:
+    """`config.n` trajectories for every prompt, grouped by prompt, in prompt order."""
+    base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
+    if config.mode == "async":
+        await asyncio.gather(*(_run_async(b, engine, tools, base, config.tool_timeout_s) for b in builders))
+    else:
+        await _run_turn_sync(builders, engine, tools, base, config.tool_timeout_s)
+    trajectories = [b.finish() for b in builders]
+    return [Group(p, trajectories[i * config.n : (i + 1) * config.n]) for i, p in enumerate(prompts)]
+
+
+# --- what a rollout reports ---------------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    n = max(1, len(trajectories))
+    lengths = [len(t.response_ids) for t in trajectories]
+    stops = Counter(t.stop_reason for t in trajectories)
+    records = [r for t in trajectories for r in t.tool_records]
+    latencies = [r.result.latency_s * 1000 for r in records]
+    metrics = {
+        "rollout/response_length/mean": sum(lengths) / n,
+        "rollout/response_length/max": float(max(lengths, default=0)),
+        "rollout/turns/mean": sum(t.num_turns for t in trajectories) / n,
+        "rollout/invalid_turns/mean": sum(t.timings.get("invalid_turns", 0.0) for t in trajectories) / n,
+        "tool/calls_per_trajectory": len(records) / n,
+        "tool/error_rate": sum(not r.result.ok for r in records) / max(1, len(records)),
+        "tool/latency_ms/p50": _percentile(latencies, 0.5),
+        "tool/latency_ms/p99": _percentile(latencies, 0.99),
+    }
+    metrics.update({f"rollout/stop/{reason.value}": stops[reason] / n for reason in StopReason})
+    return metrics
+
+
+def trajectory_record(t: Trajectory, tokenizer: Any) -> dict[str, Any]:
+    """A JSON-able view of a trajectory for dumps: texts decoded from the ids, segment by segment."""
+    return {
+        "id": t.prompt.id,
+        "sample": t.sample,
+        "stop_reason": t.stop_reason.value,
+        "reward": None if t.reward is None else {"score": t.reward.score, **t.reward.parts},
+        "prompt": t.prompt.text,
+        "segments": [{"source": s.source, "text": tokenizer.decode(s.token_ids), "tokens": len(s.token_ids)}
+                     for s in t.segments],
+        "tool_calls": [{"turn": r.turn, "name": r.call.name if r.call else None,
+                        "arguments": r.call.arguments if r.call else None, "error": r.result.error,
+                        "latency_ms": round(r.result.latency_s * 1000, 3)} for r in t.tool_records],
+        "ground_truth": t.prompt.ground_truth,
+        "timings": t.timings,
+    }
+
+
+def dump_trajectories(path: str | Path, trajectories: Sequence[Trajectory], tokenizer: Any) -> Path:
+    lines = "".join(json.dumps(trajectory_record(t, tokenizer), ensure_ascii=False) + "\n" for t in trajectories)
+    return atomic_write_text(Path(path), lines)

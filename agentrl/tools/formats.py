@@ -1,0 +1,240 @@
+"""Tool formats: how a model asks for a tool in text, and how the answer is written back.
+
+The rollout (rollout.py) decodes the ids of each model turn and asks the task's format to `parse` it:
+`Calls` (run these tools), `Answer` (the trajectory is done), `Invalid` (show this message and let the
+model go on), or None (the turn ended the trajectory). After the tools ran, `render` gives the
+observation text, which the rollout tokenizes on its own and appends as a masked tool segment.
+
+- `TorlFormat` (ToRL): the model writes a ```python block and then "```output"; we run the last python
+  block of the turn and append "\\n{output}\\n```\\n". Output past 256 characters keeps the first and last
+  128 around "..."; an error keeps only its last line (ToRL's post-processing).
+- `SearchR1Format` (Search-R1): `<search> q </search>` runs the retriever, `<answer> a </answer>` ends
+  the trajectory, anything else gets Search-R1's invalid-action message.
+- `HermesFormat` (Hermes / Qwen JSON): `<tool_call>{"name", "arguments"}</tool_call>` blocks in an
+  assistant message that ends with EOS; tool messages are rendered by the tokenizer's chat template, and
+  only the part appended after the model's EOS is tokenized (see `HermesFormat.render`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.types import ToolCall, ToolResult
+
+
+@dataclass(frozen=True)
+class Calls:
+    calls: list[ToolCall]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """A turn that asked for something the format cannot run; `message` is the observation."""
+
+    reason: str
+    message: str
+
+
+Action = Calls | Answer | Invalid | None
+
+
+class ToolFormat(ABC):
+    name: str = ""
+    stop: tuple[str, ...] = ()
+
+    @abstractmethod
+    def parse(self, text: str, stop: str | None) -> Action:
+        """`text`: the decoded model turn, cut right after the stop string `stop` that ended it (None when
+        it ended on EOS)."""
+
+    @abstractmethod
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        """The observation text for the results of `calls`; `turn_text` is the model turn before it."""
+
+    def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
+        return invalid.message
+
+
+# --- ToRL ---------------------------------------------------------------------------------------------
+
+
+def last_python_block(text: str) -> str | None:
+    """The code of the last complete ```python block (ToRL's rule: a line starting or ending with
+    ```python opens it, a line starting with ``` closes it). None when there is none or it is open."""
+    code: list[str] | None = None
+    block: list[str] | None = None
+    for line in text.split("\n"):
+        if line.startswith("```python") or line.endswith("```python"):
+            block = []
+        elif line.startswith("```"):
+            if block is not None:
+                code, block = block, None
+        elif block is not None:
+            block.append(line)
+    if block is not None or code is None:
+        return None
+    return "".join(line + "\n" for line in code)
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """ToRL: from `max_chars` characters on, keep the first and the last `max_chars // 2` around '...'."""
+    if len(text) < max_chars:
+        return text
+    half = max_chars // 2
+    return text[:half] + "..." + text[-half:]
+
+
+class TorlFormat(ToolFormat):
+    name = "torl"
+    stop = ("```output",)
+
+    def __init__(self, observation_max_chars: int | None = 256):
+        self.max_chars = observation_max_chars
+
+    def parse(self, text: str, stop: str | None) -> Action:
+        if stop != "```output":
+            return None
+        code = last_python_block(text[: text.rfind("```output")])
+        if code is None:
+            return Invalid("no_code", "Error: there is no complete ```python block to run before ```output")
+        return Calls([ToolCall("python", {"code": code}, raw=code)])
+
+    def _observation(self, result: ToolResult) -> str:
+        out = result.text.strip()
+        if not result.ok:
+            # ToRL shows only the last line of an error (the exception, not the traceback).
+            lines = [line for line in out.split("\n") if line.strip()]
+            out = lines[-1].strip() if lines else f"Error: {result.error}"
+        return truncate_middle(out, self.max_chars) if self.max_chars else out
+
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        return self._wrap(self._observation(results[0]), turn_text)
+
+    def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
+        return self._wrap(invalid.message, turn_text)
+
+    @staticmethod
+    def _wrap(observation: str, turn_text: str) -> str:
+        # The model's "```output" is already in the text; when its last token also carried the newline,
+        # the observation does not add a second one.
+        lead = "" if turn_text.endswith("\n") else "\n"
+        return f"{lead}{observation}\n```\n"
+
+
+# --- Search-R1 ----------------------------------------------------------------------------------------
+
+SEARCH_R1_INVALID = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+_SEARCH_R1_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+class SearchR1Format(ToolFormat):
+    name = "search_r1"
+    stop = ("</search>", "</answer>")
+
+    def parse(self, text: str, stop: str | None) -> Action:
+        m = _SEARCH_R1_ACTION.search(text)
+        if m is None:
+            return Invalid("no_action", SEARCH_R1_INVALID)
+        if m.group(1) == "answer":
+            return Answer(m.group(2).strip())
+        return Calls([ToolCall("search", {"query": m.group(2).strip()}, raw=m.group(0))])
+
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        return f"\n\n<information>{results[0].text.strip()}</information>\n\n"
+
+
+# --- Hermes / Qwen JSON tool calls --------------------------------------------------------------------
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class HermesFormat(ToolFormat):
+    """Tool calls in Hermes / Qwen2.5 style, inside an assistant message that ends with EOS.
+
+    Observations are what the chat template appends after the model's message: for Qwen2.5,
+    "\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n".
+    We render it as the difference between the template applied to a conversation with and without the
+    tool messages, and tokenize only that part. The ids then equal a full re-render of the conversation
+    when (a) the model wrote its tool call exactly as the template would (the template re-serialises
+    `arguments` with its own JSON spacing and key order), (b) the template renders earlier turns
+    unchanged (templates that drop earlier reasoning, like Qwen3's <think> stripping, rewrite history),
+    and (c) the boundary is a special token, so no BPE merge crosses it. Where they differ, the
+    incremental ids are the right ones: they are what the model saw and sampled.
+    """
+
+    name = "hermes"
+    stop = ()  # the message ends with EOS (<|im_end|> for Qwen); all its tool calls are parsed then
+
+    def __init__(self, tokenizer: Any, tool_schemas: list[dict] | None = None):
+        self.tokenizer = tokenizer
+        self.tool_schemas = tool_schemas
+        self.eos_text = tokenizer.eos_token or ""
+
+    def parse(self, text: str, stop: str | None) -> Action:
+        blocks = _TOOL_CALL.findall(text)
+        if not blocks:
+            return None
+        calls = []
+        for block in blocks:
+            try:
+                obj = json.loads(block)
+                name, arguments = obj["name"], obj.get("arguments", {})
+                if isinstance(arguments, str):
+                    arguments = json.loads(arguments)
+                if not isinstance(name, str) or not isinstance(arguments, dict):
+                    raise TypeError("name must be a string and arguments an object")
+            except (ValueError, KeyError, TypeError) as e:
+                message = f'Error: the tool call is not valid JSON of the form {{"name": ..., "arguments": {{...}}}}: {e}'
+                return Invalid("malformed", message)
+            calls.append(ToolCall(name, arguments, raw=block))
+        return Calls(calls)
+
+    def _appended(self, contents: list[str]) -> str:
+        """What the template appends after an assistant message with tool calls when tool messages with
+        `contents` follow, starting right after the assistant's EOS."""
+        assistant = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        }
+        history = [{"role": "user", "content": "q"}, assistant]
+        tools = [{"role": "tool", "content": c} for c in contents]
+        kwargs = {"tools": self.tool_schemas, "tokenize": False}
+        before = self.tokenizer.apply_chat_template(history, **kwargs)
+        after = self.tokenizer.apply_chat_template(history + tools, add_generation_prompt=True, **kwargs)
+        if not after.startswith(before) or self.eos_text not in before:
+            raise ValueError("this chat template does not append tool messages after the assistant's EOS")
+        end_of_message = before.rindex(self.eos_text) + len(self.eos_text)
+        return before[end_of_message:] + after[len(before) :]
+
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        return self._appended([r.text for r in results])
+
+    def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
+        return self._appended([invalid.message])
+
+
+def build_format(name: str, *, tokenizer: Any = None, observation_max_chars: int | None = None,
+                 tool_schemas: list[dict] | None = None) -> ToolFormat:
+    if name == "torl":
+        return TorlFormat(observation_max_chars if observation_max_chars is not None else 256)
+    if name == "search_r1":
+        return SearchR1Format()
+    if name == "hermes":
+        if tokenizer is None:
+            raise ValueError("the hermes format renders tool messages with a tokenizer's chat template")
+        return HermesFormat(tokenizer, tool_schemas)
+    raise ValueError(f"unknown tool format {name!r}; expected one of: torl, search_r1, hermes")
