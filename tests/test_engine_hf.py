@@ -109,7 +109,7 @@ def test_update_weights_changes_outputs_and_rejects_unknown_names(model_and_tok)
     ids = encode(tok, PROMPTS[0])
     greedy = Sampling(max_tokens=8, temperature=0)
     reference = asyncio.run(HFEngine(model, tok).generate(ids, greedy))
-    engine.update_weights((n, p.detach().clone()) for n, p in model.named_parameters())
+    asyncio.run(engine.update_weights((n, p.detach().clone()) for n, p in model.named_parameters()))
     assert asyncio.run(engine.generate(ids, greedy)).token_ids == reference.token_ids
     with pytest.raises(KeyError, match="no parameter 'nope'"):
-        engine.update_weights([("nope", torch.zeros(1))])
+        asyncio.run(engine.update_weights([("nope", torch.zeros(1))]))

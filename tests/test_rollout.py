@@ -63,7 +63,7 @@ class ScriptedEngine:
         self.returned[session].append(out)
         return Completion(out, logprobs, finish, stop)
 
-    def update_weights(self, named_tensors):
+    async def update_weights(self, named_tensors):
         raise AssertionError("not used")
 
     async def aclose(self):

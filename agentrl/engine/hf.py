@@ -163,7 +163,7 @@ class HFEngine:
             r.finish = "length"
         return r.finish
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named_tensors:

@@ -1,0 +1,124 @@
+"""The vLLM engine (GPU): `vllm.v1.engine.async_llm.AsyncLLM` behind the `Engine` interface.
+
+Every request is a `TokensPrompt` (token-in), its output the sampled ids with their logprobs
+(token-out): stop strings stay in the output (`include_stop_str_in_output=True`) and, where one ends
+inside a token, that token comes back whole; rollout.py decodes the ids itself. Logprobs are vLLM's
+`processed_logprobs`: log_softmax(logits / temperature), the same as engine/hf.py's when top-p and
+top-k are off (the RL default); with them on, vLLM renormalises over the kept tokens.
+
+Prefix caching is on, so turn k+1 of a trajectory (its prompt = turn k's prompt + output + observation)
+recomputes only the new tokens. Several replicas are vLLM data-parallel ranks; a trajectory's turns are
+routed to one rank by its `session` key (sticky), where its prefix is cached.
+
+Weights are updated in place through a worker extension (vllm_worker.py) called with `collective_rpc`,
+in buckets, then the prefix cache is reset. `sleep()` / `wake()` free and restore GPU memory when
+training shares the GPUs. Needs `pip install agentrl[gpu]`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from agentrl.engine import Completion, Sampling
+
+WORKER_EXTENSION = "agentrl.engine.vllm_worker.WeightUpdateExtension"
+BUCKET_BYTES = 256 << 20  # weights travel in buckets of about this size: bounded host memory per RPC
+
+
+class VLLMEngine:
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1, replicas: int = 1, dtype: str = "bfloat16",
+                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
+                 enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
+                 **engine_kwargs: Any):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if attention_backend is not None:
+            engine_kwargs.setdefault("attention_config", {"backend": attention_backend})
+        args = AsyncEngineArgs(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=replicas,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            **engine_kwargs,
+        )
+        self.replicas = replicas
+        self.engine = AsyncLLM.from_engine_args(args)
+        self._ids = itertools.count()
+
+    def _rank(self, session: str | None) -> int | None:
+        if self.replicas == 1:
+            return None
+        if session is None:
+            return next(self._ids) % self.replicas
+        return zlib.crc32(session.encode()) % self.replicas
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,  # the sampled token's logprob only
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                              request_id=f"{session or 'r'}-{uuid.uuid4().hex[:12]}",
+                                              data_parallel_rank=self._rank(session)):
+            final = out
+        if final is None or not final.outputs:
+            raise RuntimeError("vLLM returned no output for a request")
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, ids, strict=True)]
+        stop_str = c.stop_reason if isinstance(c.stop_reason, str) else None
+        return Completion(ids, logprobs, "length" if c.finish_reason == "length" else "stop", stop_str)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
+        bucket: list[tuple[str, Any]] = []
+        size = count = 0
+        for name, tensor in named_tensors:
+            tensor = tensor.detach().to("cpu").contiguous()
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            count += 1
+            if size >= BUCKET_BYTES:
+                await self.engine.collective_rpc("agentrl_load_weights", args=(bucket,))
+                bucket, size = [], 0
+        if bucket:
+            await self.engine.collective_rpc("agentrl_load_weights", args=(bucket,))
+        await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+        return count
+
+    async def weight_sums(self, names: list[str]) -> list[dict[str, float]]:
+        """Per worker, the sum of each named parameter: a cheap check that an update landed."""
+        return await self.engine.collective_rpc("agentrl_weight_sums", args=(names,))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level=level)
+
+    async def wake(self) -> None:
+        await self.engine.wake_up()
+
+    async def aclose(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,26 @@
+"""Runs inside each vLLM worker process: the methods engine/vllm.py calls through `collective_rpc`.
+
+vLLM mixes this class into its GPU worker (`worker_extension_cls`), so `self.model_runner` is the
+worker's model runner. Tensors arrive on the CPU with Hugging Face parameter names; the model's own
+`load_weights` maps them to vLLM's fused and tensor-parallel-sharded layout and copies them in place.
+Only torch is imported here: this module loads in every worker.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class WeightUpdateExtension:
+    model_runner: object  # provided by the vLLM worker this class is mixed into
+
+    def agentrl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        device = next(model.parameters()).device
+        model.load_weights(weights=[(name, tensor.to(device, non_blocking=True)) for name, tensor in named_tensors])
+        torch.cuda.synchronize(device)
+        return len(named_tensors)
+
+    def agentrl_weight_sums(self, names: list[str]) -> dict[str, float]:
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return {n: float(params[n].float().sum()) for n in names if n in params}

@@ -1,0 +1,147 @@
+"""Multi-turn tool rollout throughput on a GPU, three ways in one run on one vLLM engine:
+
+1. plain   - single-turn vLLM generation of the same number of tokens per trajectory (no tools);
+2. async   - rollout.py's loop, one asyncio task per trajectory: T turns of L tokens, a tool of fixed
+             latency between turns, whose calls overlap the other trajectories' generation;
+3. turn_sync - the same trajectories run turn by turn (every trajectory's turn k, then all tool calls
+             of turn k), the ToRL / Search-R1 / TRL loop.
+
+A random-weight model never writes a tool call, so `FixedTurns` ends each model turn after exactly L
+tokens as if a stop string had completed, and `BenchFormat` reads every turn end as a call of the
+sleeping tool: the engine, the rollout loop, tool overlap and prefix caching are all the real ones.
+
+    python bench/bench_rollout.py --tokenizer DIR [--trajectories 512 --turns 4 --turn-tokens 256 --tool-ms 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from agentrl.engine import Completion, Sampling
+from agentrl.rollout import RolloutConfig, rollout
+from agentrl.task import Budgets
+from agentrl.tools.formats import Calls, ToolFormat
+from agentrl.types import Prompt, ToolCall, ToolResult
+
+
+class BenchFormat(ToolFormat):
+    name = "bench"
+
+    def parse(self, text, stop):
+        return Calls([ToolCall("sleep", {})])
+
+    def render(self, calls, results, turn_text):
+        return f"\n<result>{results[0].text}</result>\n"
+
+
+class SleepTool:
+    name = "sleep"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    async def call(self, call):
+        t0 = time.perf_counter()
+        await asyncio.sleep(self.seconds)
+        return ToolResult("the answer is 42", latency_s=time.perf_counter() - t0)
+
+    async def aclose(self):
+        pass
+
+
+class FixedTurns:
+    """Passes requests to the engine; a turn that ran to its token limit reads as a completed stop."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
+        c = await self.engine.generate(prompt_ids, sampling, session=session)
+        c.finish_reason = "stop"
+        return c
+
+
+async def run_plain(engine, prompts, tokens: int) -> int:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, logprobs=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(i, p):
+        final = None
+        async for out in engine.engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params, request_id=f"plain-{i}"):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def run_loop(engine, prompts, tok, args, mode: str) -> tuple[int, dict]:
+    budgets = Budgets(max_turns=args.turns, max_tool_calls=args.turns - 1, max_tokens_per_turn=args.turn_tokens,
+                      max_response_tokens=args.turns * (args.turn_tokens + 64))
+    groups = await rollout(prompts, engine=FixedTurns(engine), fmt=BenchFormat(), tools={"sleep": SleepTool(args.tool_ms / 1000)},
+                           budgets=budgets, tokenizer=tok, config=RolloutConfig(n=1, mode=mode, seed=1))
+    trajectories = [t for g in groups for t in g.trajectories]
+    generated = sum(sum(s.token_ids.__len__() for s in t.segments if s.source == "model") for t in trajectories)
+    turns = sum(t.num_turns for t in trajectories) / len(trajectories)
+    return generated, {"turns_mean": turns}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--shape", default="qwen2.5-1.5b")
+    ap.add_argument("--trajectories", type=int, default=512)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--tool-ms", type=float, default=100.0)
+    ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from agentrl.engine.random_model import write_random_checkpoint
+    from agentrl.engine.vllm import VLLMEngine
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=8192, device="cuda")
+    prompts = []
+    for i in range(args.trajectories):
+        ids = tok.encode(f"Question {i}: " + "think about numbers " * (20 + i % 40))
+        prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
+    t0 = time.perf_counter()
+    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=8192)
+    start_s = time.perf_counter() - t0
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(run_plain(engine, prompts[:32], 32))  # warm-up: compile, graphs, allocator
+    rows = []
+    for name in ("plain", "async", "turn_sync"):
+        t0 = time.perf_counter()
+        if name == "plain":
+            generated, extra = loop.run_until_complete(run_plain(engine, prompts, args.turns * args.turn_tokens)), {}
+        else:
+            generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name))
+        seconds = time.perf_counter() - t0
+        rows.append({"mode": name, "generated_tokens": generated, "seconds": round(seconds, 2),
+                     "tokens_per_s": round(generated / seconds), **extra})
+    base = {r["mode"]: r["tokens_per_s"] for r in rows}
+    print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns x "
+          f"{args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s\n")
+    print("| mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
+              f"{r['tokens_per_s'] / base['plain']:.2f} | {r['tokens_per_s'] / base['turn_sync']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)
+    loop.run_until_complete(engine.aclose())
+
+
+if __name__ == "__main__":
+    main()
