@@ -1,16 +1,17 @@
 """Multi-turn tool rollout throughput on a GPU, three ways in one run on one vLLM engine:
 
 1. plain   - single-turn vLLM generation of the same number of tokens per trajectory (no tools);
-2. async   - rollout.py's loop, one asyncio task per trajectory: T turns of L tokens, a tool of fixed
-             latency between turns, whose calls overlap the other trajectories' generation;
+2. async   - rollout.py's loop, one asyncio task per trajectory: T turns, each of a length drawn
+             uniformly around L (seeded; real turns vary), a tool of fixed latency between turns, whose
+             calls overlap the other trajectories' generation;
 3. turn_sync - the same trajectories run turn by turn (every trajectory's turn k, then all tool calls
              of turn k), the ToRL / Search-R1 / TRL loop.
 
-A random-weight model never writes a tool call, so `FixedTurns` ends each model turn after exactly L
-tokens as if a stop string had completed, and `BenchFormat` reads every turn end as a call of the
+A random-weight model never writes a tool call, so `FixedTurns` ends each model turn after its drawn
+length as if a stop string had completed, and `BenchFormat` reads every turn end as a call of the
 sleeping tool: the engine, the rollout loop, tool overlap and prefix caching are all the real ones.
 
-    python bench/bench_rollout.py --tokenizer DIR [--trajectories 512 --turns 4 --turn-tokens 256 --tool-ms 100]
+    python bench/bench_rollout.py --tokenizer DIR [--trajectories 256 --turns 4 --turn-tokens 256 --tool-ms 100]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 
 from agentrl.engine import Completion, Sampling
@@ -52,26 +54,35 @@ class SleepTool:
         pass
 
 
-class FixedTurns:
-    """Passes requests to the engine; a turn that ran to its token limit reads as a completed stop."""
+def turn_lengths(n: int, turns: int, mean: int, seed: int = 0) -> list[list[int]]:
+    """Per trajectory, per turn: a length drawn uniformly from [mean/8, 2*mean - mean/8]."""
+    rng = random.Random(seed)
+    lo = max(1, mean // 8)
+    return [[rng.randint(lo, 2 * mean - lo) for _ in range(turns)] for _ in range(n)]
 
-    def __init__(self, engine):
-        self.engine = engine
+
+class FixedTurns:
+    """Passes requests to the engine, each turn cut at its drawn length; a turn that ran to it reads as a
+    completed stop."""
+
+    def __init__(self, engine, lengths: dict[str, list[int]]):
+        self.engine, self.lengths = engine, {k: list(v) for k, v in lengths.items()}
 
     async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
-        c = await self.engine.generate(prompt_ids, sampling, session=session)
+        length = self.lengths[session].pop(0)
+        c = await self.engine.generate(prompt_ids, sampling.with_(max_tokens=min(length, sampling.max_tokens)), session=session)
         c.finish_reason = "stop"
         return c
 
 
-async def run_plain(engine, prompts, tokens: int) -> int:
+async def run_plain(engine, prompts, tokens: list[int]) -> int:
+    """Each prompt generates its trajectory's total of model tokens in one request."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, logprobs=0,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-
     async def one(i, p):
+        params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in engine.engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params, request_id=f"plain-{i}"):
             final = out
@@ -80,10 +91,11 @@ async def run_plain(engine, prompts, tokens: int) -> int:
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-async def run_loop(engine, prompts, tok, args, mode: str) -> tuple[int, dict]:
-    budgets = Budgets(max_turns=args.turns, max_tool_calls=args.turns - 1, max_tokens_per_turn=args.turn_tokens,
-                      max_response_tokens=args.turns * (args.turn_tokens + 64))
-    groups = await rollout(prompts, engine=FixedTurns(engine), fmt=BenchFormat(), tools={"sleep": SleepTool(args.tool_ms / 1000)},
+async def run_loop(engine, prompts, tok, args, mode: str, lengths: list[list[int]]) -> tuple[int, dict]:
+    budgets = Budgets(max_turns=args.turns, max_tool_calls=args.turns - 1, max_tokens_per_turn=2 * args.turn_tokens,
+                      max_response_tokens=args.turns * (2 * args.turn_tokens + 64))
+    per_session = {f"{p.id}/0": lengths[i] for i, p in enumerate(prompts)}
+    groups = await rollout(prompts, engine=FixedTurns(engine, per_session), fmt=BenchFormat(), tools={"sleep": SleepTool(args.tool_ms / 1000)},
                            budgets=budgets, tokenizer=tok, config=RolloutConfig(n=1, mode=mode, seed=1))
     trajectories = [t for g in groups for t in g.trajectories]
     generated = sum(sum(s.token_ids.__len__() for s in t.segments if s.source == "model") for t in trajectories)
@@ -95,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--shape", default="qwen2.5-1.5b")
-    ap.add_argument("--trajectories", type=int, default=512)
+    ap.add_argument("--trajectories", type=int, default=256)  # ToRL's step: 32 prompts x 8 samples
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
@@ -118,20 +130,22 @@ def main() -> None:
     engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=8192)
     start_s = time.perf_counter() - t0
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(run_plain(engine, prompts[:32], 32))  # warm-up: compile, graphs, allocator
+    loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
+    lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens)
     rows = []
     for name in ("plain", "async", "turn_sync"):
         t0 = time.perf_counter()
         if name == "plain":
-            generated, extra = loop.run_until_complete(run_plain(engine, prompts, args.turns * args.turn_tokens)), {}
+            generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
         else:
-            generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name))
+            generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
         seconds = time.perf_counter() - t0
         rows.append({"mode": name, "generated_tokens": generated, "seconds": round(seconds, 2),
                      "tokens_per_s": round(generated / seconds), **extra})
     base = {r["mode"]: r["tokens_per_s"] for r in rows}
-    print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns x "
-          f"{args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s\n")
+    print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
+          f"turn length uniform in [{args.turn_tokens // 8}, {2 * args.turn_tokens - args.turn_tokens // 8}] tokens, "
+          f"tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s\n")
     print("| mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -11,13 +11,19 @@ recomputes only the new tokens. Several replicas are vLLM data-parallel ranks; a
 routed to one rank by its `session` key (sticky), where its prefix is cached.
 
 Weights are updated in place through a worker extension (vllm_worker.py) called with `collective_rpc`,
-in buckets, then the prefix cache is reset. `sleep()` / `wake()` free and restore GPU memory when
+in buckets serialised as safetensors bytes (the RPC's msgpack carries bytes, not tensors, in plain
+arguments), then the prefix cache is reset.
+
+Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
+whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
+fixes the run. `use_request_seeds=True` honours `Sampling.seed`. `sleep()` / `wake()` free and restore GPU memory when
 training shares the GPUs. Needs `pip install agentrl[gpu]`.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 import zlib
 from collections.abc import Iterable
@@ -33,7 +39,11 @@ class VLLMEngine:
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, replicas: int = 1, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
+                 max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
                  **engine_kwargs: Any):
+        # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
+        # cannot use CUDA then.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -51,10 +61,15 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             logprobs_mode="processed_logprobs",
+            # vLLM's offline defaults on 80 GB-class GPUs; AsyncEngineArgs would otherwise keep the server's
+            # small prefill chunks, which starve a rollout of many short continuations.
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             worker_extension_cls=WORKER_EXTENSION,
             **engine_kwargs,
         )
         self.replicas = replicas
+        self.use_request_seeds = use_request_seeds
         self.engine = AsyncLLM.from_engine_args(args)
         self._ids = itertools.count()
 
@@ -74,7 +89,7 @@ class VLLMEngine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
-            seed=sampling.seed,
+            seed=sampling.seed if self.use_request_seeds else None,
             stop=list(sampling.stop) or None,
             include_stop_str_in_output=True,
             logprobs=0,  # the sampled token's logprob only
@@ -95,18 +110,19 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
-        bucket: list[tuple[str, Any]] = []
+        from safetensors.torch import save
+
+        bucket: dict[str, Any] = {}
         size = count = 0
         for name, tensor in named_tensors:
-            tensor = tensor.detach().to("cpu").contiguous()
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
+            bucket[name] = tensor.detach().to("cpu").contiguous()
+            size += bucket[name].numel() * bucket[name].element_size()
             count += 1
             if size >= BUCKET_BYTES:
-                await self.engine.collective_rpc("agentrl_load_weights", args=(bucket,))
-                bucket, size = [], 0
+                await self.engine.collective_rpc("agentrl_load_weights", args=(save(bucket),))
+                bucket, size = {}, 0
         if bucket:
-            await self.engine.collective_rpc("agentrl_load_weights", args=(bucket,))
+            await self.engine.collective_rpc("agentrl_load_weights", args=(save(bucket),))
         await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
         return count
 
