@@ -94,10 +94,14 @@ class TrajectoryBuilder:
         self.segments.append(Segment("model", list(c.token_ids), list(c.logprobs)))
         self.ids.extend(c.token_ids)
         text = self.tokenizer.decode(c.token_ids)
-        before = self.tokenizer.decode(c.token_ids[:-1])
-        stop = stop_completed_in_last_token(text, before, self.fmt.stop) if self.fmt.stop else None
+        stop = None
+        if self.fmt.stop:
+            # Did the last token complete a stop string? Decode a tail window, not the turn again.
+            window = c.token_ids[-(max(map(len, self.fmt.stop)) + 8) :]
+            tail, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
+            stop = stop_completed_in_last_token(tail, before, self.fmt.stop)
         if stop is not None:  # parse up to the stop string; the last token may run past it
-            text = text[: text.find(stop, max(0, len(before) - len(stop) + 1)) + len(stop)]
+            text = text[: text.rfind(stop) + len(stop)]
         elif c.finish_reason == "length":
             self.stop = self._turn_limit
             return None

@@ -81,7 +81,7 @@ async def run_plain(engine, prompts, tokens: list[int]) -> int:
     from vllm.sampling_params import RequestOutputKind
 
     async def one(i, p):
-        params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0,
+        params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in engine.engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params, request_id=f"plain-{i}"):

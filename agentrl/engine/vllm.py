@@ -93,6 +93,7 @@ class VLLMEngine:
             stop=list(sampling.stop) or None,
             include_stop_str_in_output=True,
             logprobs=0,  # the sampled token's logprob only
+            flat_logprobs=True,  # a few flat lists per request, not one dict per token: less frontend CPU
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None
@@ -104,7 +105,7 @@ class VLLMEngine:
             raise RuntimeError("vLLM returned no output for a request")
         c = final.outputs[0]
         ids = list(c.token_ids)
-        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, ids, strict=True)]
+        logprobs = _sampled_logprobs(c.logprobs, ids)
         stop_str = c.stop_reason if isinstance(c.stop_reason, str) else None
         return Completion(ids, logprobs, "length" if c.finish_reason == "length" else "stop", stop_str)
 
@@ -138,3 +139,12 @@ class VLLMEngine:
 
     async def aclose(self) -> None:
         self.engine.shutdown()
+
+
+def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The logprob of each sampled id: from vLLM's FlatLogprobs (one entry per position when
+    `logprobs=0`) or from its list of per-position dicts."""
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
+        return [float(x) for x in flat]
+    return [float(position[token].logprob) for position, token in zip(logprobs, ids, strict=True)]
