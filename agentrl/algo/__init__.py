@@ -1,0 +1,96 @@
+"""The RL algorithm: advantages, losses and group sampling as pure tensor functions, and their config.
+
+advantage.py turns rewards (and a critic's values) into per-token advantages; loss.py holds the policy,
+KL, entropy and value losses and how they are aggregated over tokens; sampling.py filters and refills
+groups (DAPO dynamic sampling) and shapes over-long responses. The learner (agentrl/learner/) calls these
+on packed tensors; the trainer reads `AlgoConfig` to pick among them. Nothing here touches a model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from agentrl.config import StrictModel
+
+AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+class KLConfig(StrictModel):
+    """KL to the reference policy: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++)."""
+
+    coef: float = Field(0.0, ge=0.0, description="0 turns the KL term off (no reference model is needed)")
+    estimator: KLEstimator = "k3"  # k3 is the low-variance estimator of GRPO / veRL's low_var_kl
+    use: Literal["loss", "reward"] = "loss"
+
+
+class DynamicSamplingConfig(StrictModel):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch fills."""
+
+    enabled: bool = False
+    max_rounds: int = Field(4, ge=1, description="generation rounds per step before training on what there is")
+
+
+class OverlongConfig(StrictModel):
+    """DAPO overlong reward shaping (soft punishment inside the last `buffer_tokens` of the budget) and
+    overlong filtering (truncated trajectories contribute no loss)."""
+
+    max_tokens: int | None = Field(None, ge=1, description="response budget L_max the penalty is measured against")
+    buffer_tokens: int = Field(0, ge=0, description="L_cache; 0 turns the soft punishment off")
+    penalty: float = Field(1.0, ge=0.0, description="the penalty at (and past) L_max")
+    filter_truncated: bool = False
+
+    @model_validator(mode="after")
+    def _needs_budget(self) -> OverlongConfig:
+        if self.buffer_tokens > 0 and self.max_tokens is None:
+            raise ValueError("overlong.buffer_tokens > 0 needs overlong.max_tokens (the response budget)")
+        if self.max_tokens is not None and self.buffer_tokens > self.max_tokens:
+            raise ValueError("overlong.buffer_tokens must not exceed overlong.max_tokens")
+        return self
+
+
+class AlgoConfig(StrictModel):
+    """Which advantage estimator and which loss. Defaults are GRPO with token-mean aggregation."""
+
+    advantage: AdvantageName = "grpo"
+    std_normalize: bool = True  # grpo: divide by the group's std (drgrpo never does)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
+    whiten_advantages: bool = True  # gae: normalise advantages over the batch's sampled tokens
+    loss_agg: LossAgg = "token_mean"
+    loss_norm_tokens: int | None = Field(
+        None, ge=1, description="seq_mean_token_sum_norm's constant (Dr.GRPO: the response budget); "
+        "unset: the longest response of the batch"
+    )
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_high: float = Field(0.2, ge=0.0, description="DAPO clip-higher: e.g. 0.28")
+    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip bound c for negative advantages, e.g. 3")
+    kl: KLConfig = Field(default_factory=KLConfig)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping range; unset: no clipping")
+    tis_cap: float | None = Field(
+        None, gt=0.0, description="truncated importance sampling between engine and learner logprobs, e.g. 2"
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+
+    @model_validator(mode="after")
+    def _kl_reward_needs_returns(self) -> AlgoConfig:
+        if self.kl.use == "reward" and self.kl.coef > 0 and self.advantage not in ("gae", "reinforce_pp",
+                                                                                      "reinforce_pp_baseline"):
+            raise ValueError(
+                f"kl.use=reward needs a per-token return (advantage gae, reinforce_pp or reinforce_pp_baseline); "
+                f"advantage {self.advantage!r} takes kl.use=loss"
+            )
+        return self
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage == "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl.coef > 0

@@ -1,0 +1,104 @@
+"""Group-level choices between the reward and the advantage: DAPO's dynamic sampling and overlong shaping.
+
+The trainer hands rewarded `Group`s (agentrl/types.py) to `DynamicSampler`, which keeps the groups that
+carry a learning signal (rewards not all equal) across generation rounds until a batch is full;
+`flatten_groups` then gives advantage.py its `rewards_B` and `group_ids_B`. `overlong_penalty` is added to
+rewards before advantages; `keep_untruncated` zeroes the loss of truncated trajectories (applied by the
+packer as a whole-row factor on `Trajectory.loss_mask`, never by rebuilding the mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from agentrl.types import Group, StopReason, Trajectory
+
+# Stop reasons that mean "cut by a length budget", the trajectories DAPO's overlong filter masks out.
+TRUNCATED = frozenset({StopReason.RESPONSE_BUDGET, StopReason.CONTEXT_LIMIT, StopReason.TURN_LENGTH})
+
+
+def reward_of(trajectory: Trajectory) -> float:
+    if trajectory.reward is None:
+        raise ValueError(f"trajectory {trajectory.prompt.id}#{trajectory.sample} has no reward yet")
+    return trajectory.reward.score
+
+
+def flatten_groups(groups: Sequence[Group]) -> tuple[list[Trajectory], Tensor, Tensor]:
+    """Groups -> (trajectories in order, rewards_B, group_ids_B): the inputs of advantage.py."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    rewards_B = torch.tensor([reward_of(t) for t in trajectories], dtype=torch.float32)
+    group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    return trajectories, rewards_B, group_ids_B
+
+
+def is_informative(group: Group, tol: float = 1e-6) -> bool:
+    """A group whose rewards are all equal has zero group-relative advantage everywhere: no gradient."""
+    rewards = [reward_of(t) for t in group.trajectories]
+    return len(rewards) > 1 and max(rewards) - min(rewards) > tol
+
+
+class DynamicSampler:
+    """DAPO dynamic sampling: collect informative groups over generation rounds until `target_groups`.
+
+    Each round the trainer generates more groups and calls `add`; it trains once `full` (taking exactly
+    `target_groups` with `take`, the surplus is dropped) or, when `exhausted` after `max_rounds`, on what
+    there is (`take` then returns fewer). `stats` gives the metrics of the step."""
+
+    def __init__(self, target_groups: int, max_rounds: int) -> None:
+        if target_groups < 1 or max_rounds < 1:
+            raise ValueError("DynamicSampler needs target_groups >= 1 and max_rounds >= 1")
+        self.target_groups = target_groups
+        self.max_rounds = max_rounds
+        self.rounds = 0
+        self.kept: list[Group] = []
+        self.seen = 0
+
+    def add(self, groups: Iterable[Group]) -> int:
+        """One generation round's groups; returns how many were kept."""
+        self.rounds += 1
+        before = len(self.kept)
+        for group in groups:
+            self.seen += 1
+            if is_informative(group):
+                self.kept.append(group)
+        return len(self.kept) - before
+
+    @property
+    def full(self) -> bool:
+        return len(self.kept) >= self.target_groups
+
+    @property
+    def exhausted(self) -> bool:
+        return self.rounds >= self.max_rounds
+
+    @property
+    def needed(self) -> int:
+        return max(self.target_groups - len(self.kept), 0)
+
+    def take(self) -> list[Group]:
+        batch, self.kept = self.kept[: self.target_groups], []
+        return batch
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "rollout/dynamic_sampling_rounds": float(self.rounds),
+            "rollout/informative_group_frac": len(self.kept) / self.seen if self.seen else 0.0,
+        }
+
+
+def overlong_penalty(response_lens_B: Tensor, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to L_max - L_cache, then falling linearly
+    to -penalty at L_max, and -penalty beyond. L_max = max_tokens, L_cache = buffer_tokens."""
+    lens_B = response_lens_B.to(torch.float32)
+    if buffer_tokens == 0:
+        return torch.where(lens_B > max_tokens, -penalty, 0.0)
+    start = max_tokens - buffer_tokens
+    return (-(lens_B - start).clamp(min=0) / buffer_tokens * penalty).clamp(min=-penalty)
+
+
+def keep_untruncated(trajectories: Sequence[Trajectory]) -> Tensor:
+    """1.0 for trajectories that ended on their own, 0.0 for those a length budget cut (overlong filter)."""
+    return torch.tensor([0.0 if t.stop_reason in TRUNCATED else 1.0 for t in trajectories])

@@ -1,0 +1,130 @@
+"""Checkpoints, HF export and full-tensor iteration of a sharded module (worker.py's state methods).
+
+Checkpoint layout (a directory; written to `<dir>.tmp` and renamed once every rank has finished):
+
+    <dir>/model_optim/   torch.distributed.checkpoint: {"model": sharded weights, "optim": AdamW moments},
+                         one .distcp file per rank plus .metadata; loadable on another number of ranks
+    <dir>/learner.pt     rank 0: optimizer step counters, LR-schedule state, the caller's `extra`
+                         (e.g. the trainer's data position); plain data only
+    <dir>/rng_rank<r>.pt each rank's CPU, CUDA and Python RNG states
+
+`export_hf` writes `save_pretrained` output (config, safetensors, generation config) that transformers and
+vLLM load; `iter_full_state` yields one full tensor at a time for weight sync, so the whole model is never
+gathered at once.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from agentrl.learner.fsdp import DistContext, clean_name
+
+
+def iter_full_state(module: nn.Module, prefix: str, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) for each parameter under `prefix`, cast to `dtype` before gathering (half the
+    traffic in bf16). Tied parameters appear once, under their first name. Collective."""
+    for name, param in module.named_parameters():
+        name = clean_name(name)
+        if not name.startswith(prefix):
+            continue
+        tensor = param.detach().to(dtype)
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name[len(prefix):], tensor
+
+
+def save(
+    path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, state: dict[str, Any], ctx: DistContext,
+) -> None:
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    if ctx.rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    payload: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        payload["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.save(payload, checkpoint_id=str(tmp / "model_optim"))
+    torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
+    if ctx.rank == 0:
+        torch.save(state | {"scheduler": scheduler.state_dict() if scheduler else None}, tmp / "learner.pt")
+    dist.barrier()
+    if ctx.rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    dist.barrier()
+
+
+def load(
+    path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, ctx: DistContext,
+) -> dict[str, Any]:
+    root = Path(path)
+    if not (root / "learner.pt").exists():
+        raise FileNotFoundError(f"{root}: not a learner checkpoint (no learner.pt)")
+    payload: dict[str, Any] = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        payload["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.load(payload, checkpoint_id=str(root / "model_optim"))
+    set_model_state_dict(module, payload["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, payload["optim"])
+    state = torch.load(root / "learner.pt", weights_only=True)
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = root / f"rng_rank{ctx.rank}.pt"
+    if rng.exists():  # absent when resuming on more ranks than saved: those ranks keep their seeds
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return state
+
+
+def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: str, dtype: torch.dtype,
+              ctx: DistContext) -> None:
+    """`save_pretrained` of the HF model inside `module` with gathered weights in `dtype` (rank 0 writes)."""
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.rank == 0:
+        # a tied output embedding is the input embedding under a second name: write it once
+        tied = ({clean_name(n) for n, _ in hf_model.named_parameters(remove_duplicate=False)}
+                - {clean_name(n) for n, _ in hf_model.named_parameters()})
+        state = {}
+        for name, tensor in full.items():
+            name = clean_name(name)
+            if name.startswith(prefix) and name[len(prefix):] not in tied:
+                state[name[len(prefix):]] = tensor.to(dtype)
+        hf_model.save_pretrained(str(path), state_dict=state)
+        hf_model.config.dtype = dtype  # save_pretrained records the float32 master weights' dtype
+        hf_model.config.save_pretrained(str(path))
+    dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,59 @@
+"""Learner settings: the model, precision, micro-batching, memory/speed switches and the optimizer.
+
+Read by worker.py (and policy.py, critic.py, reference.py built on it) and optim.py. The run config
+composes one `LearnerConfig` per role (actor, critic, reference); the algorithm's own settings
+(clip ranges, KL, aggregation) are `agentrl.algo.AlgoConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from agentrl.config import StrictModel
+
+
+class OptimConfig(StrictModel):
+    """AdamW with linear warmup and a constant or cosine schedule; gradient-norm clipping."""
+
+    lr: float = Field(1e-6, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int | None = Field(None, ge=1, description="cosine: the step the schedule ends at")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: the final lr as a fraction of lr")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="max global grad norm; unset: no clipping")
+
+    @model_validator(mode="after")
+    def _cosine_needs_end(self) -> OptimConfig:
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("optim.schedule=cosine needs optim.total_steps")
+        return self
+
+
+class LearnerConfig(StrictModel):
+    """One FSDP2 worker group (policy, critic or reference) over an HF causal LM."""
+
+    model: str = Field("", description="HF model name or local path (unused when a model object is given)")
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute dtype; auto: bf16 on GPU (fp32 master weights), fp32 on CPU"
+    )
+    token_budget: int = Field(8192, ge=1, description="tokens per micro-batch (packed, no padding)")
+    logprob_chunk_tokens: int = Field(
+        2048, ge=1, description="tokens per chunk of the vocabulary projection (bounds fp32 logits memory)"
+    )
+    logprob_keep_logits: bool = Field(
+        False, description="keep 16-bit logits for backward instead of recomputing them (faster, more memory)"
+    )
+    temperature: float = Field(1.0, gt=0.0, description="logits are divided by it: the sampling temperature")
+    activation_checkpointing: bool = False
+    compile: bool = Field(False, description="torch.compile each decoder block and the logprob math")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
+    )
+    seed: int = 0
+    optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -1,0 +1,117 @@
+"""Process group, device and FSDP2 wrapping for the learner's workers.
+
+`init_distributed` joins the process group torchrun (or Ray) set up, or makes a one-process group so a
+plain CPU run goes through the same code as a multi-GPU one. `shard` applies, per decoder block
+(found through the HF model's `_no_split_modules`): activation checkpointing, then torch.compile, then
+`fully_shard`; and `fully_shard` once more on the root, which holds the embeddings, the final norm and
+the output head. Gradients are summed across ranks, not averaged: the losses are already normalised by
+whole-batch counts (agentrl/algo/loss.py). worker.py is the only caller.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# Prefixes wrappers add to parameter names; HF names are what is left when they are removed.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join (or create) the default process group and pick this rank's device."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("learner.device=cuda but torch sees no GPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        # gloo alongside nccl lets small CPU tensors (metrics, response-layout results) be reduced too
+        backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    return DistContext(dist.get_rank(), dist.get_world_size(), dev, mesh)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def decoder_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each decoder block: modules whose class the HF model declares as not
+    to be split (`_no_split_modules`), i.e. its transformer layers."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its decoder blocks")
+    found = []
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if type(child).__name__ in names:
+                found.append((parent, attr))
+    if not found:
+        raise ValueError(f"no module of {sorted(names)} found in {type(model).__name__}")
+    return found
+
+
+def shard(
+    root: nn.Module,
+    blocks: list[tuple[nn.Module, str]],
+    ctx: DistContext,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    activation_checkpointing: bool,
+    compile_blocks: bool,
+) -> nn.Module:
+    """Wrap each block (checkpoint -> compile -> fully_shard), then the root. Returns the sharded root."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for parent, attr in blocks:
+        block = getattr(parent, attr)
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if compile_blocks:
+            block = torch.compile(block, dynamic=True)
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        parent.register_module(attr, block)
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, never average, across ranks
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.8; needed by gloo, which
+                module.set_force_sum_reduction_for_comms(True)  # has no premultiplied sum (NCCL has)
+    return root
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Free gathered weights everywhere. FSDP keeps the root's gathered after a forward (it expects a
+    backward); after a no-grad forward or a checkpoint load they would otherwise go stale."""
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def clean_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

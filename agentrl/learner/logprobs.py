@@ -1,0 +1,129 @@
+"""Per-token logprobs and entropies from final hidden states, chunked over tokens.
+
+A 152k-token vocabulary makes the logits of a 4k-token micro-batch 2.5 GB in fp32, and autograd would keep
+several such tensors alive until backward. `token_logprobs` instead projects `chunk_tokens` positions at a
+time, keeps only per-token numbers (logprob, log-sum-exp, entropy) and recomputes each chunk's logits in
+backward (one extra vocabulary matmul, about 5% of a 1.5B model's step), so memory for the head stays one
+chunk's worth however large the micro-batch is. Gradients flow to the hidden states, the output embedding
+(tied or not) and its bias, for the logprob and the entropy both.
+
+Called by worker.py inside the FSDP root's forward (the gathered output-embedding weight is used
+directly). With `compiled=True` the per-chunk elementwise math goes through torch.compile, which fuses it
+into a few passes over the bf16 logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def token_logprobs(
+    hidden_TH: Tensor,
+    weight_VH: Tensor,
+    target_ids_T: Tensor,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
+    bias_V: Tensor | None = None,
+    compiled: bool = False,
+    keep_logits: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """log softmax(hidden @ weight.T / temperature)[target] and the entropy of that softmax, per token,
+    both float32 [T]. Differentiable in hidden, weight and bias. `keep_logits` saves each chunk's logits
+    (in the weight's dtype) for backward instead of recomputing them: a vocabulary matmul less, memory
+    that grows with T again."""
+    stats, grad = (_compiled_fns() if compiled else (_chunk_stats, _chunk_grad))
+    return _ChunkedLogprobs.apply(hidden_TH, weight_VH, bias_V, target_ids_T, chunk_tokens, 1.0 / temperature,
+                                  stats, grad, keep_logits)
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+
+
+def _chunk_stats(logits_CV: Tensor, targets_C: Tensor, inv_temp: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprob of target, log-sum-exp, entropy) of one chunk, in float32."""
+    z = logits_CV.float() * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - lse[:, None])
+    entropy = lse - torch.linalg.vecdot(p, z)
+    logprob = z.gather(1, targets_C[:, None]).squeeze(1) - lse
+    return logprob, lse, entropy
+
+
+def _chunk_grad(
+    logits_CV: Tensor, targets_C: Tensor, lse_C: Tensor, entropy_C: Tensor, g_lp_C: Tensor,
+    g_ent_C: Tensor | None, inv_temp: float,
+) -> Tensor:
+    """d(loss)/d(logits) of one chunk, in the logits' dtype. With z the scaled logits and p = softmax(z):
+    d logprob/dz = onehot(target) - p and d entropy/dz = -p * (z - sum(p * z)), sum(p * z) = lse - entropy."""
+    z = logits_CV.to(torch.float32, copy=True).mul_(inv_temp)  # a copy: kept logits must stay intact
+    p = (z - lse_C[:, None]).exp_()
+    if g_ent_C is None:
+        g = p.mul_(-g_lp_C[:, None])
+    else:  # -p * (g_lp + g_ent * (z - sum(p z))), built in place in z's buffer
+        coef = z.sub_((lse_C - entropy_C)[:, None]).mul_(g_ent_C[:, None]).add_(g_lp_C[:, None])
+        g = p.mul_(coef).neg_()
+    g.scatter_add_(1, targets_C[:, None], g_lp_C[:, None])
+    return g.mul_(inv_temp).to(logits_CV.dtype)
+
+
+@lru_cache(maxsize=1)
+def _compiled_fns() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    return torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
+        inv_temp: float, stats: Callable[..., Any], grad: Callable[..., Any], keep_logits: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        logprob, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        kept = []
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            logits = _logits(hidden[a:b], weight, bias)
+            logprob[a:b], lse[a:b], entropy[a:b] = stats(logits, targets[a:b], inv_temp)
+            if keep_logits:
+                kept.append(logits)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, *kept)
+        ctx.chunk, ctx.inv_temp, ctx.grad = chunk, inv_temp, grad
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logprob: Tensor | None, g_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy, *kept = ctx.saved_tensors
+        if g_logprob is None:
+            g_logprob = torch.zeros_like(lse)
+        n, chunk = hidden.shape[0], ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        multi = n > chunk  # several chunks add into the weight gradient: accumulate those sums in float32
+        grad_w: Tensor | None = None
+        grad_b: Tensor | None = None
+        for i, a in enumerate(range(0, n, chunk)):
+            b = min(a + chunk, n)
+            h = hidden[a:b]
+            logits = kept[i] if kept else _logits(h, weight, bias)
+            g = ctx.grad(logits, targets[a:b], lse[a:b], entropy[a:b], g_logprob[a:b],
+                         None if g_entropy is None else g_entropy[a:b], ctx.inv_temp)
+            if grad_h is not None:
+                torch.matmul(g, weight, out=grad_h[a:b])
+            if need_w:
+                part = g.t() @ h
+                grad_w = (part.float() if multi else part) if grad_w is None else grad_w.add_(part)
+            if need_b:
+                part_b = g.float().sum(0)
+                grad_b = part_b if grad_b is None else grad_b.add_(part_b)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None and bias is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None

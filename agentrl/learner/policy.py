@@ -1,0 +1,108 @@
+"""The policy (actor) worker: logprobs of packed batches and the PPO-style policy update.
+
+`PolicyModule` is the FSDP root around an HF causal LM: the base model runs a packed micro-batch
+(attention.py), then logprob.py turns final hidden states into per-token logprobs and entropies chunk by
+chunk. `PolicyWorker.train_step` combines them with the algorithm's pure losses (agentrl/algo/loss.py):
+PPO clip (asymmetric, dual), truncated IS against the engine's logprobs, KL to the reference as a loss
+term, an entropy bonus, aggregated with whole-batch weights. The trainer calls `compute_logprobs`,
+`train_step`, `state_for_sync` (for weight_sync.py), `save`/`load` and `export_hf`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from agentrl.algo import AlgoConfig
+from agentrl.algo.loss import aggregation_weights, kl_penalty, masked_sum, ppo_clip_loss, truncated_is_weights
+from agentrl.learner import checkpoint
+from agentrl.learner.config import LearnerConfig
+from agentrl.learner.logprobs import token_logprobs
+from agentrl.learner.packing import Batch, MicroBatch
+from agentrl.learner.worker import Worker, load_causal_lm, model_inputs
+
+
+class PolicyModule(nn.Module):
+    """HF causal LM -> (logprob of each target token, entropy of each position), float32 [T] each."""
+
+    def __init__(self, lm: nn.Module, config: LearnerConfig) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = config.logprob_chunk_tokens
+        self.keep_logits = config.logprob_keep_logits
+        self.temperature = config.temperature
+        self.compiled = config.compile
+
+    def forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+        hidden = self.lm.base_model(**model_inputs(mb)).last_hidden_state[0]
+        head = self.lm.get_output_embeddings()
+        keep = self.keep_logits and torch.is_grad_enabled()
+        return token_logprobs(hidden, head.weight, mb.target_ids_T, self.chunk_tokens, self.temperature,
+                              head.bias, self.compiled, keep)
+
+
+class PolicyWorker(Worker):
+    role = "actor"
+
+    def __init__(self, config: LearnerConfig, algo: AlgoConfig, model: nn.Module | None = None) -> None:
+        ctx = Worker.context(config)
+        lm = load_causal_lm(config, model)
+        self.lm = lm
+        self.algo = algo
+        module = PolicyModule(lm, config)
+        super().__init__(config, module, lm, "lm.", trainable=True, ctx=ctx)
+
+    def compute_logprobs(self, batch: Batch) -> Tensor:
+        """Logprob of every response token under the current weights: [B, R] float32 on CPU."""
+        return self._infer(batch, lambda mb: self.module(mb)[0])
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on `batch` (advantages set; old/ref logprobs set where the algorithm needs
+        them: without old logprobs the update is on-policy, ratio 1). Returns `actor/*` metrics."""
+        if any(mb.advantages_T is None for mb in batch.micro_batches):
+            raise ValueError("train_step: batch has no advantages (Batch.set('advantages', ...))")
+        use_kl = self.algo.kl.coef > 0 and self.algo.kl.use == "loss"
+        if use_kl and any(mb.ref_logprobs_T is None for mb in batch.micro_batches):
+            raise ValueError("train_step: kl.use=loss needs ref logprobs (Batch.set('ref_logprobs', ...))")
+        return self._train(batch, lambda mb: self._micro_loss(mb, batch, use_kl))
+
+    def _micro_loss(self, mb: MicroBatch, batch: Batch, use_kl: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        algo = self.algo
+        logprobs_T, entropy_T = self.module(mb)
+        assert mb.advantages_T is not None
+        old_T = mb.old_logprobs_T if mb.old_logprobs_T is not None else logprobs_T.detach()
+        pg_T, clipped_T = ppo_clip_loss(logprobs_T, old_T, mb.advantages_T, algo.clip_low, algo.clip_high,
+                                        algo.dual_clip)
+        stats: dict[str, Tensor] = {}
+        token_mean_T = mb.loss_mask_T / max(batch.num_loss_tokens, 1)
+        if algo.tis_cap is not None:
+            tis_T = truncated_is_weights(old_T, mb.engine_logprobs_T, algo.tis_cap)
+            pg_T = pg_T * tis_T
+            stats["tis_weight"] = masked_sum(tis_T, token_mean_T)
+        weights_T = aggregation_weights(
+            mb.loss_mask_T, mb.seq_index_T, len(mb.rows), algo.loss_agg, batch.num_loss_tokens,
+            batch.num_loss_sequences, algo.loss_norm_tokens or batch.max_response_len,
+        )
+        pg_loss = masked_sum(pg_T, weights_T)
+        loss = pg_loss
+        if use_kl:
+            assert mb.ref_logprobs_T is not None
+            kl_loss = masked_sum(kl_penalty(logprobs_T, mb.ref_logprobs_T, algo.kl.estimator), weights_T)
+            loss = loss + algo.kl.coef * kl_loss
+            stats["kl_loss"] = kl_loss
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * masked_sum(entropy_T, weights_T)
+        log_ratio_T = (logprobs_T - old_T).detach()
+        stats |= {
+            "loss": loss,
+            "pg_loss": pg_loss,
+            "entropy": masked_sum(entropy_T.detach(), token_mean_T),
+            "clip_frac": masked_sum(clipped_T, token_mean_T),
+            "approx_kl": masked_sum(0.5 * log_ratio_T.square(), token_mean_T),
+            "engine_kl": masked_sum(kl_penalty(old_T, mb.engine_logprobs_T, "k3"), token_mean_T),
+        }
+        return loss, stats
+
+    def export_hf(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        """`save_pretrained` directory (config + safetensors) that transformers and vLLM load. Collective."""
+        checkpoint.export_hf(path, self.module, self.lm, self.hf_prefix, dtype, self.ctx)

@@ -1,0 +1,202 @@
+"""The machinery every learner role shares: one FSDP2-sharded HF model on this rank's device.
+
+A role (policy.py, critic.py, reference.py) builds its module around an HF model and hands it here; this
+class shards it (fsdp.py), owns the optimizer and schedule (optim.py), runs micro-batches from packing.py
+forward (`_infer`) or forward and backward with gradient accumulation (`_train`), takes the optimizer step
+behind a grad-norm clip and a NaN/inf guard, and exposes the full state for weight sync and checkpoints
+(checkpoint.py). Every method that touches weights is collective: all ranks call it, in the same order,
+with their own `Batch` of the same packing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from agentrl.learner import checkpoint
+from agentrl.learner.attention import enable_packed_attention
+from agentrl.learner.config import LearnerConfig
+from agentrl.learner.fsdp import DistContext, decoder_blocks, init_distributed, reshard_all, shard
+from agentrl.learner.optim import build_optimizer, build_scheduler
+from agentrl.learner.packing import Batch, MicroBatch
+
+
+def load_causal_lm(config: LearnerConfig, model: nn.Module | None = None) -> nn.Module:
+    """The HF causal LM a role wraps: `model` if given (tests, benchmarks), else from `config.model`,
+    in float32 (FSDP keeps float32 master weights; compute dtype is set by the mixed-precision policy)."""
+    if model is not None:
+        return model.float()
+    if not config.model:
+        raise ValueError("learner.model is empty: name an HF model or a local checkpoint directory")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+
+
+def model_inputs(mb: MicroBatch) -> dict[str, object]:
+    """Keyword arguments of an HF base model's forward for one packed micro-batch (see attention.py)."""
+    return {
+        "input_ids": mb.input_ids_T[None],
+        "position_ids": mb.position_ids_T[None],
+        "use_cache": False,
+        "cu_seq_lens_q": mb.cu_seqlens_S,
+        "cu_seq_lens_k": mb.cu_seqlens_S,
+        "max_length_q": mb.max_seqlen,
+        "max_length_k": mb.max_seqlen,
+    }
+
+
+class Worker:
+    """One role's sharded module, optimizer and step counters. `hf_model` is the HF model inside `module`
+    whose attention is switched to packed attention and whose decoder blocks are sharded one by one;
+    `hf_prefix` is its name inside `module` (stripped for weight sync and HF export)."""
+
+    role = "learner"  # metric namespace, set by each role
+
+    def __init__(
+        self, config: LearnerConfig, module: nn.Module, hf_model: nn.Module, hf_prefix: str, trainable: bool,
+        ctx: DistContext,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.hf_prefix = hf_prefix
+        use_bf16 = config.precision == "bf16" or (config.precision == "auto" and ctx.device.type == "cuda")
+        self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+        enable_packed_attention(hf_model)
+        module.eval()  # dropout off: logprobs must be those of the policy that sampled
+        if not trainable:
+            module.requires_grad_(False)
+            for param in module.parameters():  # a frozen model needs no float32 master copy; buffers (RoPE
+                param.data = param.data.to(self.compute_dtype)  # frequencies) stay float32 as in the policy
+        self.module = shard(
+            module, decoder_blocks(hf_model), ctx,
+            param_dtype=self.compute_dtype if trainable and use_bf16 else None,
+            reshard_after_forward=config.reshard_after_forward,
+            activation_checkpointing=config.activation_checkpointing and trainable,
+            compile_blocks=config.compile,
+        )
+        self.optimizer = build_optimizer(self.module.parameters(), config.optim, ctx.device) if trainable else None
+        self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
+        self.steps = 0  # optimizer steps taken
+        self.skipped_steps = 0  # steps the NaN/inf guard refused
+
+    @staticmethod
+    def context(config: LearnerConfig) -> DistContext:
+        ctx = init_distributed(config.device)
+        torch.manual_seed(config.seed)  # same on every rank: new heads start identical everywhere
+        return ctx
+
+    # -- running micro-batches ---------------------------------------------------------------------
+
+    def _check(self, batch: Batch) -> None:
+        if batch.world_size != self.ctx.world_size or batch.rank != self.ctx.rank:
+            raise ValueError(f"batch packed for rank {batch.rank}/{batch.world_size}, "
+                             f"this is rank {self.ctx.rank}/{self.ctx.world_size}")
+
+    @torch.no_grad()
+    def _infer(self, batch: Batch, fn: Callable[[MicroBatch], Tensor]) -> Tensor:
+        """Per-token outputs of `fn` over this rank's micro-batches -> the whole batch's response layout
+        [B, R] on CPU, identical on every rank."""
+        self._check(batch)
+        outs = [fn(mb.to(self.ctx.device)) for mb in batch.micro_batches]
+        result = batch.gather(outs)
+        reshard_all(self.module)
+        if self.ctx.world_size > 1:
+            result = result.to(self.ctx.device)
+            dist.all_reduce(result)  # rows are disjoint across ranks: the sum is the union
+        return result.cpu()
+
+    def _train(self, batch: Batch, micro_loss: Callable[[MicroBatch], tuple[Tensor, dict[str, Tensor]]]) -> dict[str, float]:
+        """Forward/backward every micro-batch (gradients summed; FSDP syncs them on the last one), then one
+        optimizer step. `micro_loss` returns the micro-batch's share of the batch loss and summable stats."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__} is frozen: it has no optimizer")
+        self._check(batch)
+        start = time.perf_counter()
+        sums: dict[str, Tensor] = {}
+        last = len(batch.micro_batches) - 1
+        for i, mb in enumerate(batch.micro_batches):
+            self.module.set_requires_gradient_sync(i == last)
+            loss, stats = micro_loss(mb.to(self.ctx.device))
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule moves after it)
+        grad_norm, skipped = self._optimizer_step()
+        metrics = self._all_reduce(sums | {"tokens": torch.tensor(float(batch.num_tokens), device=self.ctx.device)})
+        elapsed = time.perf_counter() - start
+        tokens = metrics.pop("tokens")
+        metrics |= {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skipped),
+                    "skipped_steps": float(self.skipped_steps)}
+        out = {f"{self.role}/{k}": v for k, v in metrics.items()}
+        out[f"perf/{self.role}_tokens"] = tokens
+        out[f"perf/{self.role}_tokens_per_s"] = tokens / elapsed
+        return out
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip by global grad norm and step, unless the norm is NaN/inf: then drop the gradients, leave
+        the weights, optimizer moments and schedule alone, and count the skip."""
+        assert self.optimizer is not None and self.scheduler is not None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.config.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norm_value = float(norm)
+        skipped = not torch.isfinite(norm).item()
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_value, skipped
+
+    def _all_reduce(self, values: dict[str, Tensor]) -> dict[str, float]:
+        if not values:
+            return {}
+        keys = sorted(values)
+        stacked = torch.stack([values[k].to(self.ctx.device).float().reshape(()) for k in keys])
+        if self.ctx.world_size > 1:
+            dist.all_reduce(stacked)
+        return dict(zip(keys, stacked.tolist(), strict=True))
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_for_sync(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor on this device) per parameter, one at a time, in `dtype` (default: the
+        compute dtype). Collective: every rank must exhaust the iterator."""
+        return checkpoint.iter_full_state(self.module, self.hf_prefix, dtype or self.compute_dtype)
+
+    def state_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+        """`state_for_sync` grouped into lists of about `bucket_bytes` (a tensor larger than that is alone)."""
+        bucket: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, tensor in self.state_for_sync(dtype):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def save(self, path: str, extra: dict[str, object] | None = None) -> None:
+        """Checkpoint weights, optimizer, schedule, step counters, RNG of every rank and `extra` (e.g. the
+        trainer's data position) to directory `path`. Collective."""
+        state = {"steps": self.steps, "skipped_steps": self.skipped_steps, "extra": extra or {}}
+        checkpoint.save(path, self.module, self.optimizer, self.scheduler, state, self.ctx)
+
+    def load(self, path: str) -> dict[str, object]:
+        """Restore what `save` wrote; returns its `extra`. Collective."""
+        state = checkpoint.load(path, self.module, self.optimizer, self.scheduler, self.ctx)
+        reshard_all(self.module)
+        self.steps, self.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
+        return dict(state["extra"])

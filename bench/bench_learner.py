@@ -1,0 +1,366 @@
+"""Learner throughput, MFU and memory: our packed FSDP2 step against a padded transformers loop.
+
+Run from the repository root, one process per GPU:
+
+    torchrun --nproc-per-node 1 -m bench.bench_learner --out $OUT/bench_learner_1gpu.md
+    torchrun --nproc-per-node 2 -m bench.bench_learner --out $OUT/bench_learner_2gpu.md
+    python -m bench.bench_learner --tiny          # CPU, a tiny model: checks the whole script end to end
+
+It measures (1) the dense bf16 peak with an 8192^3 matmul, the denominator of MFU = 6 * params * tokens /
+time / peak; (2) `PolicyWorker.train_step` (agentrl/learner/policy.py) on a random-weight model of the
+Qwen2.5-1.5B shape for each variant (eager, compiled, compiled + activation checkpointing) and workload
+(4,096-token rows; RL-like sequences packed into 4k and 8k micro-batches); (3) on the same RL-like
+sequences, a plain transformers loop that pads each micro-batch of rows to its longest (1 GPU only);
+(4) peak memory as micro-batches grow, with the logprob head chunked and in one chunk. Each row is printed
+as soon as it is measured; the markdown tables are printed (and written to --out) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from agentrl.algo import AlgoConfig
+from agentrl.learner.attention import packed_backend
+from agentrl.learner.config import LearnerConfig, OptimConfig
+from agentrl.learner.fsdp import init_distributed
+from agentrl.learner.packing import Batch, pack, response_layout
+from agentrl.learner.policy import PolicyWorker
+from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
+
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+TINY = dict(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=4096)
+# name: (torch.compile, activation checkpointing, keep logits for backward)
+VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "compiled_keep": (True, False, True),
+            "compiled_ac": (True, True, False), "eager_ac": (False, True, False)}
+
+
+@dataclass
+class Setup:
+    tiny: bool
+    world: int
+    rank: int
+    device: torch.device
+    peak_flops: float = 0.0
+    n_params: int = 0
+    rows: list[str] = field(default_factory=list)
+    rl_rows: list[str] = field(default_factory=list)
+    mem_rows: list[str] = field(default_factory=list)
+    raw: list[dict] = field(default_factory=list)
+
+    def log(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    @property
+    def row_len(self) -> int:
+        return 256 if self.tiny else 4096
+
+    def rl_lengths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return ((10, 40), (10, 300)) if self.tiny else ((100, 400), (100, 3000))
+
+
+def sync(setup: Setup) -> None:
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_peak(setup: Setup) -> float:
+    """Dense matmul FLOP/s: bf16 8192^3 on GPU (fp32 512^3 on CPU, only to exercise the code)."""
+    n, dtype = (512, torch.float32) if setup.device.type == "cpu" else (8192, torch.bfloat16)
+    a = torch.randn(n, n, device=setup.device, dtype=dtype)
+    b = torch.randn(n, n, device=setup.device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(setup)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(setup)
+    return 10 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def trajectory(rng: random.Random, vocab: int, prompt_len: int, response_len: int) -> Trajectory:
+    prompt = Prompt("p", "", tuple(rng.randrange(vocab) for _ in range(prompt_len)), "", "")
+    ids = [rng.randrange(vocab) for _ in range(response_len)]
+    return Trajectory(prompt, [Segment("model", ids, [-1.0] * response_len)], StopReason.EOS,
+                      reward=RewardResult(float(rng.random() < 0.5)))
+
+
+def rl_set(setup: Setup, per_gpu: int, seed: int = 0) -> list[Trajectory]:
+    rng = random.Random(seed)
+    (p0, p1), (r0, r1) = setup.rl_lengths()
+    vocab = (TINY if setup.tiny else QWEN25_15B)["vocab_size"]
+    return [trajectory(rng, vocab, rng.randint(p0, p1), rng.randint(r0, r1)) for _ in range(per_gpu * setup.world)]
+
+
+def row_set(setup: Setup, per_gpu: int, length: int) -> list[Trajectory]:
+    rng = random.Random(1)
+    vocab = (TINY if setup.tiny else QWEN25_15B)["vocab_size"]
+    return [trajectory(rng, vocab, length // 16, length - length // 16) for _ in range(per_gpu * setup.world)]
+
+
+def my_batch(setup: Setup, trajs: list[Trajectory], budget: int) -> Batch:
+    batch = pack(trajs, budget, setup.world)[setup.rank]
+    rng = torch.Generator().manual_seed(0)
+    sign = torch.randint(0, 2, (len(trajs), 1), generator=rng).float() * 2 - 1
+    batch.set("advantages", sign * response_layout(trajs).mask_BR)
+    return batch
+
+
+def build_model(setup: Setup, dtype: torch.dtype = torch.float32, attn: str = "sdpa") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**(TINY if setup.tiny else QWEN25_15B))
+    with torch.device(setup.device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+
+
+def timed(setup: Setup, step: Callable[[], object], warmup: int, steps: int) -> tuple[float, float]:
+    """(seconds per step, peak GiB allocated on this rank) over `steps` after `warmup`."""
+    for _ in range(warmup):
+        step()
+    sync(setup)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(setup)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device.type == "cuda" else float("nan")
+    return seconds, peak
+
+
+def free_memory(setup: Setup) -> None:
+    gc.collect()
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
+    return 6 * setup.n_params * tokens_per_gpu / seconds / setup.peak_flops
+
+
+def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
+    compiled, ac, keep = VARIANTS[name]
+    config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep,
+                           reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
+    worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
+    warmup = 2 if compiled else 1
+    best_rl: dict[str, float] = {}
+    workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
+                  setup.row_len, False)]
+    for budget in args.budgets:
+        workloads.append((f"RL lengths packed into {budget}-token micro-batches", rl_set(setup, args.rl_per_gpu),
+                          budget, True))
+    for label, trajs, budget, is_rl in workloads:
+        batch = my_batch(setup, trajs, budget)
+        tokens = float(batch.num_tokens)  # this rank's; ranks are balanced
+        try:
+            if args.profile and label == workloads[0][0]:
+                profile(setup, lambda b=batch: worker.train_step(b))
+            seconds, peak = timed(setup, lambda b=batch: worker.train_step(b), warmup, args.steps)
+        except torch.OutOfMemoryError:
+            setup.rows.append(f"| {name} | {label} | {len(batch.micro_batches)} | {int(tokens)} | OOM | | | |")
+            torch.cuda.empty_cache()
+            continue
+        total = sum(len(t.prompt.token_ids) + len(t.response_ids) for t in trajs)
+        row = (f"| {name} | {label} | {len(batch.micro_batches)} | {int(tokens)} | {seconds:.3f} | "
+               f"{total / seconds:,.0f} | {mfu(setup, tokens, seconds):.1%} | {peak:.1f} |")
+        setup.rows.append(row)
+        setup.log(row)
+        setup.raw.append({"variant": name, "workload": label, "seconds": seconds, "tokens_all_gpus": total,
+                          "mfu": mfu(setup, tokens, seconds), "peak_gib": peak})
+        if is_rl and total / seconds > best_rl.get("rate", 0.0):
+            best_rl = {"rate": total / seconds, "budget": budget}
+    if name == args.memory_variant:
+        memory_sweep(setup, worker, args)
+    return best_rl  # the worker is freed with this frame (free_memory)
+
+
+def memory_sweep(setup: Setup, worker: PolicyWorker, args: argparse.Namespace) -> None:
+    """Peak memory per micro-batch size: the head chunked (--chunk tokens) vs one chunk per micro-batch."""
+    sizes = [128, 256, 512] if setup.tiny else [2048, 4096, 8192, 16384]
+    for size in sizes:
+        batch = my_batch(setup, row_set(setup, 2, size), size)
+        cells = []
+        for chunk in (args.chunk, size):
+            worker.module.chunk_tokens = chunk
+            gc.collect()
+            static = torch.cuda.memory_allocated() / 2**30 if setup.device.type == "cuda" else float("nan")
+            try:
+                seconds, peak = timed(setup, lambda b=batch: worker.train_step(b), 1, 2)
+                cells.append((static, peak, batch.num_tokens / seconds))
+            except torch.OutOfMemoryError:
+                cells.append((static, float("nan"), float("nan")))
+                torch.cuda.empty_cache()
+        row = (f"| {size} | {cells[0][0]:.1f} | {cells[0][1]:.1f} | {cells[1][1]:.1f} | {cells[0][2]:,.0f} |")
+        setup.mem_rows.append(row)
+        setup.log(row)
+    worker.module.chunk_tokens = args.chunk
+
+
+def padded_baseline(setup: Setup, trajs: list[Trajectory], rows: int, steps: int) -> tuple[float, float, float]:
+    """A plain transformers step: bf16 weights, SDPA, `rows` sequences right-padded to the longest per
+    micro-batch, HF's label loss, gradient accumulation, fused AdamW. -> (useful tokens/s, padding, peak GiB)."""
+    lm = build_model(setup, torch.bfloat16 if setup.device.type == "cuda" else torch.float32)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-6, fused=setup.device.type == "cuda")
+    micro = []
+    for i in range(0, len(trajs), rows):
+        group = trajs[i : i + rows]
+        seqs = [list(t.prompt.token_ids) + t.response_ids for t in group]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for b, (t, s) in enumerate(zip(group, seqs, strict=True)):
+            ids[b, : len(s)] = torch.tensor(s)
+            attn[b, : len(s)] = 1
+            labels[b, len(t.prompt.token_ids) : len(s)] = torch.tensor(t.response_ids)
+        micro.append((ids.to(setup.device), attn.to(setup.device), labels.to(setup.device)))
+
+    def step() -> None:
+        for ids, attn, labels in micro:
+            (lm(input_ids=ids, attention_mask=attn, labels=labels).loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds, peak = timed(setup, step, 1, steps)
+    useful = sum(len(t.prompt.token_ids) + len(t.response_ids) for t in trajs)
+    padded = sum(ids.numel() for ids, _, _ in micro)
+    return useful / seconds, 1 - useful / padded, peak
+
+
+def profile(setup: Setup, step: Callable[[], object]) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        sync(setup)
+    key = "cuda_time_total" if setup.device.type == "cuda" else "cpu_time_total"
+    setup.log(prof.key_averages().table(sort_by=key, row_limit=30))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (or GPU): end-to-end check")
+    parser.add_argument("--variants", default=None, help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--budgets", default=None, help="comma list of packed micro-batch token budgets")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per measurement")
+    parser.add_argument("--rows-per-step", type=int, default=8, help="full rows (micro-batches) per step")
+    parser.add_argument("--rl-per-gpu", type=int, default=48, help="RL-like trajectories per GPU per step")
+    parser.add_argument("--padded-rows", default="2,4", help="rows per padded micro-batch of the baseline")
+    parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
+    parser.add_argument("--memory-variant", default="compiled_ac", help="variant whose worker runs the memory sweep")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a profiler table for each variant's first workload")
+    parser.add_argument("--out", default=None, help="also write the markdown report here")
+    args = parser.parse_args()
+    tiny = args.tiny
+    args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled,compiled_ac")).split(",")
+    args.budgets = [int(b) for b in (args.budgets or ("256,512" if tiny else "4096,8192")).split(",")]
+    if tiny:
+        args.chunk = min(args.chunk, 64)
+        args.rl_per_gpu = min(args.rl_per_gpu, 12)
+        args.steps = min(args.steps, 2)
+        if args.memory_variant not in args.variants:
+            args.memory_variant = args.variants[-1]
+
+    ctx = init_distributed("auto")
+    setup = Setup(tiny, ctx.world_size, ctx.rank, ctx.device)
+    setup.peak_flops = measure_peak(setup)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        probe = AutoModelForCausalLM.from_config(Qwen2Config(**(TINY if tiny else QWEN25_15B)))
+    setup.n_params = sum(p.numel() for p in probe.parameters())
+    import transformers
+
+    device_name = torch.cuda.get_device_name() if ctx.device.type == "cuda" else "CPU"
+    header = [
+        f"# Learner benchmark: {device_name} x {ctx.world_size}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}",
+        "",
+        f"- model: {'tiny Qwen2' if tiny else 'Qwen2.5-1.5B shape'}, {setup.n_params:,} parameters (tied embeddings "
+        f"counted once), vocabulary {(TINY if tiny else QWEN25_15B)['vocab_size']:,}, random weights",
+        f"- peak: {'bf16 8192^3' if ctx.device.type == 'cuda' else 'fp32 512^3'} matmul measured here: "
+        f"{setup.peak_flops / 1e12:,.4g} TFLOP/s; MFU = 6 * params * tokens per GPU / step time / peak",
+        f"- packed attention: {packed_backend(ctx.device)}; logprob chunk {args.chunk} tokens; FSDP2, fp32 master "
+        f"weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
+        "one optimizer step per timed step",
+        f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
+        f"{args.rl_per_gpu} trajectories per GPU per step",
+    ]
+    setup.log("\n".join(header))
+    table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "
+                  "peak GiB |\n|---|---|---|---|---|---|---|---|")
+    setup.log(table_head)
+    best: dict[str, float] = {}
+    for name in args.variants:
+        try:
+            result = bench_variant(setup, name, args)
+        except Exception as e:  # keep measuring the other variants; report what failed and why
+            msg = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''} | | | | | | |"
+            setup.rows.append(msg)
+            setup.log(msg)
+            continue
+        finally:
+            free_memory(setup)
+        if result.get("rate", 0.0) > best.get("rate", 0.0):
+            best = result | {"variant": name}
+
+    if setup.world == 1 and not args.no_baseline and best:
+        trajs = rl_set(setup, args.rl_per_gpu)
+        for rows in [int(r) for r in args.padded_rows.split(",")]:
+            try:
+                rate, waste, peak = padded_baseline(setup, trajs, rows, args.steps)
+                setup.rl_rows.append(f"| transformers, padded, {rows} rows/micro-batch | {rate:,.0f} | {waste:.0%} | "
+                                     f"{peak:.1f} | {best['rate'] / rate:.2f}x |")
+            except torch.OutOfMemoryError:
+                setup.rl_rows.append(f"| transformers, padded, {rows} rows/micro-batch | OOM | | | |")
+            free_memory(setup)
+            setup.log(setup.rl_rows[-1])
+
+    report = header + ["", "## Training step", "", table_head, *setup.rows]
+    if best:
+        report += ["", f"## RL-like lengths, same trajectories: ours ({best['variant']}, packed "
+                   f"{int(best['budget'])}-token micro-batches) = {best['rate']:,.0f} useful tokens/s", ""]
+        if setup.rl_rows:
+            report += ["| loop | useful tokens/s | padding | peak GiB | ours / it |", "|---|---|---|---|---|",
+                       *setup.rl_rows]
+        else:
+            report += ["(padded baseline: measured on 1 GPU only)"]
+    if setup.mem_rows:
+        report += ["", f"## Peak memory vs micro-batch size ({args.memory_variant}; one row of that many tokens; "
+                   "2 micro-batches per step)", "",
+                   f"| micro-batch tokens | static GiB | peak GiB, chunked ({args.chunk}) | peak GiB, one chunk | "
+                   "tokens/s (chunked) |", "|---|---|---|---|---|", *setup.mem_rows]
+    text = "\n".join(report)
+    setup.log("\n" + text)
+    if args.out and setup.rank == 0:
+        Path(args.out).write_text(text + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(setup.raw, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

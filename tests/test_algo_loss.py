@@ -1,0 +1,154 @@
+"""Losses and aggregation (agentrl/algo/loss.py) against hand-computed numbers and plain loops."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from agentrl.algo.loss import (
+    aggregate,
+    aggregation_weights,
+    kl_penalty,
+    masked_sum,
+    ppo_clip_loss,
+    truncated_is_weights,
+    value_loss,
+)
+
+
+def test_ppo_clip_golden() -> None:
+    old = torch.zeros(5)
+    logprobs = torch.tensor([0.5, -0.5, -0.5, 2.0, 0.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0])
+    loss, clipped = ppo_clip_loss(logprobs, old, adv, clip_low=0.2, clip_high=0.28)
+    e = math.exp
+    # a: ratio e^.5 > 1.28, A > 0 -> clipped -1.28; b: ratio e^-.5 < .8, A > 0 -> unclipped -e^-.5
+    # c: A < 0, ratio < .8 -> clipped 0.8; d: A < 0, ratio e^2 -> unclipped e^2; e: ratio 1 -> -A
+    assert loss.tolist() == pytest.approx([-1.28, -e(-0.5), 0.8, e(2.0), -2.0], abs=1e-6)
+    assert clipped.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    loss_d, clipped_d = ppo_clip_loss(logprobs, old, adv, 0.2, 0.28, dual_clip=3.0)
+    assert loss_d.tolist() == pytest.approx([-1.28, -e(-0.5), 0.8, 3.0, -2.0], abs=1e-6)  # d capped at -A * 3
+    assert clipped_d.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def _ppo_loop(lp: float, old: float, a: float, lo: float, hi: float, c: float | None) -> float:
+    r = math.exp(lp - old)
+    loss = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
+    if c is not None and a < 0:
+        loss = min(loss, -a * c)
+    return loss
+
+
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_ppo_clip_matches_loop(dual: float | None) -> None:
+    torch.manual_seed(1)
+    lp, old, adv = torch.randn(200) * 0.5, torch.randn(200) * 0.5, torch.randn(200)
+    loss, _ = ppo_clip_loss(lp, old, adv, 0.2, 0.28, dual)
+    expected = [_ppo_loop(*xs, 0.2, 0.28, dual) for xs in zip(lp.tolist(), old.tolist(), adv.tolist(), strict=True)]
+    assert loss.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_ppo_clip_gradient_is_zero_when_clipped() -> None:
+    lp = torch.tensor([0.5, 0.0], requires_grad=True)
+    loss, _ = ppo_clip_loss(lp, torch.zeros(2), torch.tensor([1.0, 1.0]))
+    loss.sum().backward()
+    assert lp.grad is not None and lp.grad.tolist() == pytest.approx([0.0, -1.0])
+
+
+def test_kl_estimators_golden() -> None:
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    assert kl_penalty(lp, ref, "k1").tolist() == pytest.approx([1.0, -1.0])
+    assert kl_penalty(lp, ref, "k2").tolist() == pytest.approx([0.5, 0.5])
+    assert kl_penalty(lp, ref, "k3").tolist() == pytest.approx([math.exp(-1), math.e - 2], abs=1e-6)
+    assert float(kl_penalty(torch.tensor([0.0]), torch.tensor([50.0]), "k3")) == 10.0  # clamped
+
+
+def test_kl_k3_is_unbiased_and_k1_gradient() -> None:
+    # E_pi[k3] = KL(pi || ref) for categorical pi, ref: check by exact expectation
+    pi = torch.tensor([0.5, 0.3, 0.2])
+    ref = torch.tensor([0.2, 0.5, 0.3])
+    kl = float((pi * (pi / ref).log()).sum())
+    k3 = kl_penalty(pi.log(), ref.log(), "k3")
+    k1 = kl_penalty(pi.log(), ref.log(), "k1")
+    assert float((pi * k3).sum()) == pytest.approx(kl, abs=1e-6)
+    assert float((pi * k1).sum()) == pytest.approx(kl, abs=1e-6)
+
+
+def test_truncated_is_weights() -> None:
+    w = truncated_is_weights(torch.tensor([-1.0, -1.0]), torch.tensor([-1.5, -0.5]), cap=1.5)
+    assert w.tolist() == pytest.approx([1.5, math.exp(-0.5)])
+    lp = torch.tensor([-1.0], requires_grad=True)
+    assert not truncated_is_weights(lp, torch.tensor([-1.0]), 2.0).requires_grad
+
+
+def test_value_loss_golden() -> None:
+    loss, clipped = value_loss(torch.tensor([1.0, 0.6]), torch.tensor([0.5, 0.5]), torch.tensor([2.0, 0.55]), clip=0.2)
+    # token 0: unclipped (1-2)^2 = 1, clipped value 0.7 -> 1.69; token 1 inside the range
+    assert loss.tolist() == pytest.approx([0.845, 0.5 * 0.05**2])
+    assert clipped.tolist() == [1.0, 0.0]
+    plain, _ = value_loss(torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([2.0]), clip=None)
+    assert plain.tolist() == [0.5]
+
+
+def test_aggregate_golden() -> None:
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [7.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # row 2: no tokens
+    assert float(aggregate(loss, mask, "token_mean")) == pytest.approx(2.5)
+    assert float(aggregate(loss, mask, "seq_mean_token_mean")) == pytest.approx(3.0)
+    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm")) == pytest.approx((6 / 4 + 4 / 4) / 2)
+    assert float(aggregate(loss, mask, "seq_mean_token_sum_norm", norm_tokens=10)) == pytest.approx(0.5)
+
+
+def _aggregate_loop(loss: list[list[float]], mask: list[list[float]], mode: str, norm: int) -> float:
+    rows = [(sum(x * m for x, m in zip(lr, mr, strict=True)), sum(mr)) for lr, mr in zip(loss, mask, strict=True)]
+    rows = [(s, n) for s, n in rows if n > 0]
+    if mode == "token_mean":
+        return sum(s for s, _ in rows) / sum(n for _, n in rows)
+    if mode == "seq_mean_token_mean":
+        return sum(s / n for s, n in rows) / len(rows)
+    return sum(s / norm for s, _ in rows) / len(rows)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_aggregate_matches_loop_and_splits_exactly(mode: str) -> None:
+    rng = random.Random(3)
+    loss = [[rng.uniform(-2, 2) for _ in range(7)] for _ in range(6)]
+    mask = [[float(rng.random() < 0.6) for _ in range(7)] for _ in range(6)]
+    mask[4] = [0.0] * 7
+    loss_t, mask_t = torch.tensor(loss), torch.tensor(mask)
+    total = float(aggregate(loss_t, mask_t, mode, norm_tokens=7))
+    assert total == pytest.approx(_aggregate_loop(loss, mask, mode, 7), rel=1e-5)
+    # the same batch in two "micro-batches" with whole-batch counts sums to the same loss
+    n_tokens, n_seqs = int(mask_t.sum()), int((mask_t.sum(1) > 0).sum())
+    parts = 0.0
+    for rows in ([0, 3, 5], [1, 2, 4]):
+        m = mask_t[rows].flatten()
+        seq_index = torch.arange(len(rows))[:, None].expand(len(rows), 7).flatten()
+        w = aggregation_weights(m, seq_index, len(rows), mode, n_tokens, n_seqs, 7)
+        parts += float((w * loss_t[rows].flatten()).sum())
+    assert parts == pytest.approx(total, rel=1e-5)
+
+
+def test_masked_sum_ignores_zero_weight_tokens() -> None:
+    values = torch.tensor([float("nan"), 2.0, float("-inf"), 4.0], requires_grad=True)
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.25])
+    total = masked_sum(values, weights)
+    assert float(total.detach()) == 2.0
+    total.backward()
+    assert values.grad is not None and values.grad.tolist() == [0.0, 0.5, 0.0, 0.25]
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss_matches_loop(clip: float | None) -> None:
+    torch.manual_seed(2)
+    v, old, ret = torch.randn(100), torch.randn(100), torch.randn(100)
+    loss, _ = value_loss(v, old, ret, clip)
+    expected = []
+    for vi, oi, ri in zip(v.tolist(), old.tolist(), ret.tolist(), strict=True):
+        unclipped = (vi - ri) ** 2
+        clipped = (oi + min(max(vi - oi, -clip), clip) - ri) ** 2 if clip is not None else unclipped
+        expected.append(0.5 * max(unclipped, clipped))
+    assert loss.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)

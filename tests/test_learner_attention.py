@@ -1,0 +1,73 @@
+"""Packed attention (agentrl/learner/attention.py): exact on CPU; the GPU (varlen) path traces whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.learner import attention
+from agentrl.learner.attention import enable_packed_attention, packed_attention
+from tests.learner_util import tiny_lm
+
+
+def test_packed_attention_equals_block_diagonal_causal_mask() -> None:
+    torch.manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    T, Hq, Hkv, D = sum(lengths), 4, 2, 8
+    q, k, v = torch.randn(1, Hq, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = packed_attention(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    assert out.shape == (1, T, Hq, D)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(T)
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    kr, vr = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    scores = (q @ kr.transpose(-1, -2)) * 0.3
+    expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vr
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
+
+
+def test_sliding_window_models_are_refused() -> None:
+    lm = tiny_lm()
+    lm.config.use_sliding_window = True
+    with pytest.raises(ValueError, match="sliding"):
+        enable_packed_attention(lm)
+
+
+def test_padding_masks_are_refused() -> None:
+    x = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="no attention mask"):
+        packed_attention(None, x, x, x, torch.ones(1, 1, 4, 4))
+
+
+@pytest.mark.skipif(attention._resolve_varlen() is None, reason="this torch has no torch.nn.attention.varlen")
+def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder block on the GPU path (varlen op, dynamic shapes) is captured as one graph. Traced on CPU:
+    dynamo only needs the op's fake implementation, so the capture is checked without a GPU."""
+    lm = tiny_lm().to(torch.bfloat16)
+    enable_packed_attention(lm)
+    assert attention._VARLEN is not None
+    monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)  # the CUDA branch
+    block = lm.model.layers[0]
+    pos = torch.tensor([list(range(12)) + list(range(8))])
+    h = torch.randn(1, 20, 64, dtype=torch.bfloat16)
+    cos, sin = lm.model.rotary_emb(h, pos)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    captured = []
+
+    class Captured(Exception):
+        pass
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list) -> None:
+        captured.append([str(n.target) for n in gm.graph.nodes])
+        raise Captured
+
+    def run(h, cos, sin, cu, m):
+        return block(h, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos,
+                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Captured"):
+        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(h, cos, sin, cu, 12)
+    torch._dynamo.reset()
+    assert len(captured) == 1 and any("varlen" in t for t in captured[0])

@@ -1,0 +1,61 @@
+"""Chunked logprobs and entropies (agentrl/learner/logprobs.py) against a full log-softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.learner.logprobs import token_logprobs
+
+
+def _reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, temp: float):
+    logits = h @ w.t() if b is None else h @ w.t() + b
+    logp = torch.log_softmax(logits.double() / temp, -1)
+    return logp.gather(1, y[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 37, 100])
+@pytest.mark.parametrize("with_bias,temp,keep", [(False, 1.0, False), (True, 0.7, False), (True, 0.7, True)])
+def test_values_and_gradients_match_full_softmax(chunk: int, with_bias: bool, temp: float, keep: bool) -> None:
+    torch.manual_seed(chunk)
+    T, H, V = 37, 16, 50
+    h = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    b = torch.randn(V, requires_grad=True) if with_bias else None
+    y = torch.randint(0, V, (T,))
+    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    inputs = [h, w] + ([b] if b is not None else [])
+    lp, ent = token_logprobs(h, w, y, chunk, temp, b, keep_logits=keep)
+    lp_ref, ent_ref = _reference(h, w, b, y, temp)
+    assert torch.allclose(lp.double(), lp_ref, atol=1e-5)
+    assert torch.allclose(ent.double(), ent_ref, atol=1e-4)
+    for use_entropy in (False, True):
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if use_entropy else 0.0)
+        loss_ref = (lp_ref * g_lp).sum() + ((ent_ref * g_ent).sum() if use_entropy else 0.0)
+        grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        grads_ref = torch.autograd.grad(loss_ref, inputs, retain_graph=True)
+        for g, g_ref in zip(grads, grads_ref, strict=True):
+            assert torch.allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_no_logits_are_kept_for_backward() -> None:
+    """Only per-token numbers are saved: nothing of T x V lives until backward, however large T is."""
+    T, H, V = 64, 8, 300
+    h = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    y = torch.randint(0, V, (T,))
+    saved: list[int] = []
+
+    def pack_hook(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        lp, ent = token_logprobs(h, w, y, chunk_tokens=16)
+    assert max(saved) <= max(T * H, V * H)  # hidden states and the weight, never logits
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        saved.clear()
+        torch.log_softmax(h @ w.t(), -1)
+    assert max(saved) >= T * V  # what the plain path keeps
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad is not None and w.grad is not None

@@ -1,0 +1,195 @@
+"""Policy, reference and critic workers in one process (FSDP over a one-rank group, CPU, fp32)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.algo import AlgoConfig
+from agentrl.algo.advantage import compute_advantages
+from agentrl.algo.loss import aggregate, kl_penalty, ppo_clip_loss, truncated_is_weights
+from agentrl.learner.config import LearnerConfig, OptimConfig
+from agentrl.learner.critic import CriticWorker
+from agentrl.learner.optim import lr_factor
+from agentrl.learner.packing import Batch, pack, response_layout
+from agentrl.learner.policy import PolicyWorker
+from agentrl.learner.reference import ReferenceWorker
+from tests.learner_util import padded_logprobs, tiny_lm, trajectories
+
+FULL_ALGO = dict(clip_high=0.28, dual_clip=3.0, kl={"coef": 0.1, "estimator": "k3"}, entropy_coef=0.01, tis_cap=2.0)
+
+
+def _config(**kw) -> LearnerConfig:
+    return LearnerConfig(device="cpu", token_budget=40, logprob_chunk_tokens=16, **kw)  # fp32 wherever it runs
+
+
+def _advantages(trajs, algo: AlgoConfig) -> torch.Tensor:
+    layout = response_layout(trajs)
+    rewards = torch.tensor([t.reward.score for t in trajs])
+    groups = torch.tensor([int(t.prompt.id[1:]) for t in trajs])
+    return compute_advantages(algo, rewards, groups, layout.mask_BR)[0]
+
+
+def _hf_grads(named) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in named:
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name.removeprefix("lm.")] = g.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_packed_equals_padded_loss_and_gradients(mode: str) -> None:
+    lm = tiny_lm(seed=1)
+    plain = copy.deepcopy(lm)
+    algo = AlgoConfig(loss_agg=mode, **FULL_ALGO)
+    trajs = trajectories(10, seed=4)
+    worker = PolicyWorker(_config(), algo, model=lm)
+    [batch] = pack(trajs, worker.config.token_budget)
+    assert len(batch.micro_batches) > 2  # several micro-batches, several chunks each
+    torch.manual_seed(0)
+    layout = response_layout(trajs)
+    adv = _advantages(trajs, algo)
+    old = layout.engine_logprobs_BR * 0.1 - 4.0 + torch.randn_like(adv) * 0.3
+    ref = old + torch.randn_like(adv) * 0.3
+    for name, value in (("advantages", adv), ("old_logprobs", old), ("ref_logprobs", ref)):
+        batch.set(name, value)
+
+    packed_loss = 0.0
+    for mb in batch.micro_batches:
+        loss, _ = worker._micro_loss(mb, batch, use_kl=True)
+        loss.backward()
+        packed_loss += float(loss.detach())
+    packed = _hf_grads((n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in worker.module.named_parameters())
+
+    lp, ent = padded_logprobs(plain, trajs)
+    mask = layout.mask_BR
+    pg, _ = ppo_clip_loss(lp, old, adv, algo.clip_low, algo.clip_high, algo.dual_clip)
+    pg = pg * truncated_is_weights(old, layout.engine_logprobs_BR, algo.tis_cap)
+    loss = (aggregate(pg, mask, mode) + 0.1 * aggregate(kl_penalty(lp, ref, "k3"), mask, mode)
+            - 0.01 * aggregate(ent, mask, mode))
+    loss.backward()
+    padded = _hf_grads(plain.named_parameters())
+
+    assert packed_loss == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    assert packed.keys() == padded.keys()
+    for name in padded:
+        assert torch.allclose(packed[name], padded[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_tiny_model_fits_positive_advantages() -> None:
+    algo = AlgoConfig(clip_high=100.0)  # let the ratio grow: the loss keeps falling as the batch is fit
+    worker = PolicyWorker(_config(optim=OptimConfig(lr=3e-3, weight_decay=0.0)), algo, model=tiny_lm(seed=2))
+    trajs = trajectories(8, seed=7)
+    [batch] = pack(trajs, worker.config.token_budget)
+    mask = response_layout(trajs).mask_BR
+    old = worker.compute_logprobs(batch)
+    batch.set("advantages", mask.clone())  # +1 on every sampled token
+    batch.set("old_logprobs", old)
+    losses = [worker.train_step(batch)["actor/pg_loss"] for _ in range(20)]
+    assert losses[0] == pytest.approx(-1.0, abs=1e-5)  # ratio 1 at the start
+    assert losses[-1] < losses[0] - 0.5
+    assert sum(b < a for a, b in zip(losses, losses[1:], strict=False)) >= 17  # falls (nearly) every step
+    new = worker.compute_logprobs(batch)
+    assert float((new * mask).sum()) > float((old * mask).sum())
+
+
+def test_nan_guard_skips_and_counts() -> None:
+    worker = PolicyWorker(_config(optim=OptimConfig(lr=1e-2)), AlgoConfig(), model=tiny_lm(seed=3))
+    trajs = trajectories(4, seed=1)
+    [batch] = pack(trajs, 1000)
+    before = {n: t.clone() for n, t in worker.state_for_sync()}
+    adv = response_layout(trajs).mask_BR.clone()
+    adv[0, 0] = float("nan")
+    batch.set("advantages", adv)
+    metrics = worker.train_step(batch)
+    assert metrics["actor/step_skipped"] == 1.0 and metrics["actor/skipped_steps"] == 1.0
+    assert math.isnan(metrics["actor/grad_norm"])
+    assert all(torch.equal(t, before[n]) for n, t in worker.state_for_sync())
+    assert worker.steps == 0
+    batch.set("advantages", response_layout(trajs).mask_BR)
+    metrics = worker.train_step(batch)
+    assert metrics["actor/step_skipped"] == 0.0 and metrics["actor/skipped_steps"] == 1.0 and worker.steps == 1
+    assert not all(torch.equal(t, before[n]) for n, t in worker.state_for_sync())
+
+
+def test_state_for_sync_and_hf_export(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    lm = tiny_lm(seed=4)
+    plain = copy.deepcopy(lm)
+    worker = PolicyWorker(_config(activation_checkpointing=True), AlgoConfig(), model=lm)
+    expected = dict(plain.named_parameters())
+    synced = dict(worker.state_for_sync())
+    assert synced.keys() == expected.keys()  # HF names, tied head once, no wrapper prefixes
+    assert all(torch.equal(synced[n], expected[n]) for n in expected)
+    buckets = list(worker.state_buckets(bucket_bytes=40_000))
+    assert len(buckets) > 1 and [n for b in buckets for n, _ in b] == list(synced)
+    worker.export_hf(str(tmp_path / "hf"), dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 96, (2, 11))
+    assert torch.allclose(loaded(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
+    worker.export_hf(str(tmp_path / "hf16"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
+
+
+def test_checkpoint_resume_in_one_process(tmp_path: Path) -> None:
+    algo = AlgoConfig()
+    cfg = _config(optim=OptimConfig(lr=1e-2, warmup_steps=3))
+    trajs = trajectories(6, seed=9)
+
+    def batch_for(step: int) -> Batch:
+        [batch] = pack(trajs, cfg.token_budget)
+        batch.set("advantages", _advantages(trajs, algo) * (1.0 + step))
+        return batch
+
+    worker = PolicyWorker(cfg, algo, model=tiny_lm(seed=5))
+    worker.train_step(batch_for(0))
+    worker.save(str(tmp_path / "ckpt"), extra={"data_position": 1})
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"model_optim", "learner.pt", "rng_rank0.pt"}
+    assert (tmp_path / "ckpt" / "model_optim" / ".metadata").exists() and not (tmp_path / "ckpt.tmp").exists()
+    expected = worker.train_step(batch_for(1))
+    resumed = PolicyWorker(cfg, algo, model=tiny_lm(seed=6))  # other weights until loaded
+    assert resumed.load(str(tmp_path / "ckpt")) == {"data_position": 1}
+    got = resumed.train_step(batch_for(1))
+    assert got["actor/loss"] == expected["actor/loss"]
+    assert got["actor/lr"] == expected["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # second warmup step
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(worker.state_for_sync(), resumed.state_for_sync(), strict=True))
+
+
+def test_reference_and_critic_workers() -> None:
+    lm = tiny_lm(seed=8)
+    trajs = trajectories(6, seed=3)
+    cfg = _config(optim=OptimConfig(lr=1e-2))
+    algo = AlgoConfig(advantage="gae", gamma=1.0, lam=0.95)
+    policy = PolicyWorker(cfg, algo, model=copy.deepcopy(lm))
+    reference = ReferenceWorker(cfg, model=copy.deepcopy(lm))
+    [batch] = pack(trajs, cfg.token_budget)
+    assert torch.allclose(reference.compute_logprobs(batch), policy.compute_logprobs(batch), atol=1e-6)
+    assert reference.optimizer is None and not any(p.requires_grad for p in reference.module.parameters())
+
+    critic = CriticWorker(cfg, algo, model=copy.deepcopy(lm))
+    values = critic.compute_values(batch)
+    assert float(values.abs().max()) == 0.0  # zero-initialised head
+    layout = response_layout(trajs)
+    rewards = torch.tensor([t.reward.score for t in trajs])
+    adv, returns = compute_advantages(algo, rewards, torch.arange(6), layout.mask_BR, values)
+    assert returns is not None
+    batch.set("returns", returns)
+    batch.set("old_values", values)
+    losses = [critic.train_step(batch)["critic/value_loss"] for _ in range(6)]
+    assert losses[-1] < losses[0]
+    assert not any("lm_head" in n for n, _ in critic.state_for_sync())  # the vocabulary head is dropped
+
+
+def test_lr_schedule() -> None:
+    warm = OptimConfig(lr=1.0, warmup_steps=4)
+    assert [lr_factor(s, warm) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = OptimConfig(lr=1.0, warmup_steps=2, schedule="cosine", total_steps=12, min_lr_ratio=0.1)
+    assert lr_factor(2, cos) == pytest.approx(1.0)
+    assert lr_factor(7, cos) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(12, cos) == pytest.approx(0.1) and lr_factor(50, cos) == pytest.approx(0.1)
