@@ -1,0 +1,20 @@
+"""agentrl's retrieval service: build a dense (FAISS) or BM25 index over a Search-R1 / wiki-18 corpus, and
+serve it over HTTP with Search-R1's `POST /retrieve` schema.
+
+The flow, one module per step:
+  corpus.py    stream `{"id", "contents"}` lines with line numbers; bad lines stop the build or are counted
+  encoder.py   resolve an encoder (name or path, pooling, e5/bge prefixes); DenseEncoder (torch, imported lazily)
+  build.py     corpus -> shards of embeddings or token ids -> index; resumable, atomic rename at the end
+  faiss_index.py / bm25.py   the two index families behind one `search(queries, k)` shape
+  docstore.py  `id, contents` by integer row from an offsets file and a jsonl, without loading the corpus
+  manifest.py  what an index directory holds; validated when a server opens it (searcher.py)
+  batching.py  concurrent requests merged into one encoder forward and one index search
+  server.py    the FastAPI app; cli.py the `build` / `serve` commands (`agentrl retriever`, `python -m retriever`)
+
+Importing this package imports neither torch nor transformers: a BM25 server never loads them.
+The client that the trainer uses lives in agentrl/tools/search.py.
+"""
+
+from retriever.errors import RetrieverError
+
+__all__ = ["RetrieverError"]

@@ -1,0 +1,109 @@
+"""BM25 through bm25s, behind the same build / search shape as the dense indexes.
+
+Building: build.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
+stopwords, no stemming), writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` + `.lens.npy`)
+and snapshotting the growing vocabulary, so an interrupted build resumes. `build_bm25` then feeds the shards
+to bm25s as a lazy sequence (bm25s walks it a few times; no list of 21M token lists is ever held) and saves
+the sparse score matrix into `bm25/`. Searching maps that matrix (`mmap=True`); documents that share no
+term with the query (score 0) are not returned, and a query without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's,
+which Search-R1's BM25 baseline uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BM25_DIR = "bm25"
+TOKENIZER_VOCAB = "tokenizer_vocab.json"
+DEFAULT_K1, DEFAULT_B, DEFAULT_METHOD, DEFAULT_STOPWORDS = 0.9, 0.4, "lucene", "en"
+
+
+def new_tokenizer(stopwords: str = DEFAULT_STOPWORDS, word_to_id: dict[str, int] | None = None):
+    from bm25s.tokenization import Tokenizer
+
+    tokenizer = Tokenizer(lower=True, stopwords=stopwords, stemmer=None)
+    if word_to_id:
+        tokenizer.word_to_id = dict(word_to_id)
+    return tokenizer
+
+
+def tokenize_passages(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of `texts`, growing the vocabulary: (flat int32 ids, int32 length per text)."""
+    docs = list(tokenizer.streaming_tokenize(texts, update_vocab=True, allow_empty=True))
+    lens = np.fromiter((len(d) for d in docs), dtype=np.int32, count=len(docs))
+    flat = np.fromiter((t for d in docs for t in d), dtype=np.int32, count=int(lens.sum()))
+    return flat, lens
+
+
+def save_shard(directory: Path, shard: int, flat: np.ndarray, lens: np.ndarray) -> None:
+    """Write one shard's token ids; each file is renamed into place, so a reader never sees half of one."""
+    for suffix, array in (("ids", flat), ("lens", lens)):
+        tmp = directory / f".{shard:05d}.{suffix}.tmp.npy"
+        np.save(tmp, array)
+        tmp.rename(directory / f"{shard:05d}.{suffix}.npy")
+
+
+class _ShardedTokenIds(Sequence):
+    """The corpus's token-id lists, read back shard by shard each time bm25s iterates them."""
+
+    def __init__(self, directory: Path, n_shards: int, n_docs: int) -> None:
+        self._dir, self._n_shards, self._n_docs = directory, n_shards, n_docs
+
+    def __len__(self) -> int:
+        return self._n_docs
+
+    def __getitem__(self, i):  # bm25s only iterates; random access would defeat the point
+        raise TypeError("token ids are read sequentially")
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for shard in range(self._n_shards):
+            flat = np.load(self._dir / f"{shard:05d}.ids.npy")
+            lens = np.load(self._dir / f"{shard:05d}.lens.npy")
+            yield from (doc.tolist() for doc in np.split(flat, np.cumsum(lens)[:-1]))
+
+
+@dataclass
+class _Corpus:  # the "object with ids and vocab" form that bm25s.BM25.index accepts
+    ids: Sequence
+    vocab: dict[str, int]
+
+
+def build_bm25(
+    tokens_dir: Path, n_shards: int, n_docs: int, tokenizer, out_dir: Path, k1: float, b: float, method: str
+) -> None:
+    """Score the tokenized corpus and save the index plus the query tokenizer's vocabulary in `out_dir`."""
+    import bm25s
+
+    retriever = bm25s.BM25(k1=k1, b=b, method=method)
+    vocab = tokenizer.get_vocab_dict()
+    retriever.index(_Corpus(_ShardedTokenIds(tokens_dir, n_shards, n_docs), vocab), show_progress=False)
+    retriever.save(str(out_dir), show_progress=False)
+    (out_dir / TOKENIZER_VOCAB).write_text(json.dumps(tokenizer.word_to_id, ensure_ascii=False))
+
+
+class Bm25Search:
+    """A saved BM25 index, memory-mapped; `search` returns (scores, rows) padded with -1 past the hits."""
+
+    def __init__(self, directory: Path, stopwords: str, *, mmap: bool = True) -> None:
+        import bm25s
+
+        self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
+        word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
+        self._tokenizer = new_tokenizer(stopwords, word_to_id)
+        self.size = int(self._index.scores["num_docs"])
+
+    def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        k = min(k, self.size)
+        ids = list(self._tokenizer.streaming_tokenize(queries, update_vocab=False, allow_empty=True))
+        rows, scores = self._index.retrieve(ids, k=k, show_progress=False, n_threads=0)
+        # A query with no known term is tokenized to the empty token, which matches the empty passages:
+        # it has no hits, like a Lucene query with no terms.
+        empty = self._tokenizer.word_to_id.get("")
+        no_terms = np.array([all(t == empty for t in q) for q in ids], dtype=bool)[:, None]
+        rows = np.where((scores > 0) & ~no_terms, rows, -1).astype(np.int64)
+        return scores.astype(np.float32), rows

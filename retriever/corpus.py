@@ -1,0 +1,129 @@
+"""Reading a Search-R1 / wiki-18 corpus: one JSON object `{"id": ..., "contents": "\"Title\"\ntext"}` a line.
+
+`CorpusReader` streams the file in binary (so it also reads a pipe), keeps the byte offset and line number
+of every line (a resumed build restarts at a byte offset, and errors name the line), and hashes the bytes
+as it goes (the manifest records the corpus checksum). build.py drives it; nothing here holds the corpus.
+`split_title` is the one place that knows how `contents` holds a title (agentrl/tools/search.py mirrors it
+on the client side, which must not import this package).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from retriever.errors import RetrieverError
+
+_HASH_BLOCK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One corpus row as the index stores it: the original `id` (kept as given) and `contents`."""
+
+    id: Any
+    contents: str
+
+    def to_json_line(self) -> bytes:
+        return (json.dumps({"id": self.id, "contents": self.contents}, ensure_ascii=False) + "\n").encode()
+
+
+def split_title(contents: str) -> tuple[str, str]:
+    """`"\"Title\"\ntext"` -> ("Title", "text"): the first line without its quotes, then the rest."""
+    first, _, rest = contents.partition("\n")
+    return first.strip().strip('"'), rest
+
+
+def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
+    """Parse one corpus line, or raise RetrieverError naming the line and what is wrong with it.
+
+    A missing `id` falls back to the row number (as a string, like wiki-18's ids); `contents` is required.
+    """
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RetrieverError(f"corpus line {line_no}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(obj, dict):
+        raise RetrieverError(f"corpus line {line_no}: expected a JSON object, got {type(obj).__name__}")
+    contents = obj.get("contents")
+    if not isinstance(contents, str):
+        what = "lacks a `contents` field" if contents is None else f"has a non-string `contents` ({type(contents).__name__})"
+        raise RetrieverError(f'corpus line {line_no}: {what}; expected {{"id": ..., "contents": "\\"Title\\"\\ntext"}}')
+    doc_id = obj.get("id", str(row))
+    return Passage(id=doc_id, contents=contents)
+
+
+@dataclass(frozen=True)
+class CorpusLine:
+    """A line read from the corpus: its 1-based number, the byte offset just past it, and its parse."""
+
+    line_no: int
+    end_offset: int
+    passage: Passage | None  # None: a bad line skipped under --skip-bad
+    error: str | None = None
+
+
+class CorpusReader:
+    """Streams a corpus from `start_offset` (a resumed build), checking that the bytes before it are the
+    ones the interrupted build read (`prefix_sha256`), and hashing everything it reads."""
+
+    def __init__(
+        self,
+        stream: BinaryIO,
+        *,
+        skip_bad: bool = False,
+        start_offset: int = 0,
+        start_line: int = 0,
+        start_row: int = 0,
+        prefix_sha256: str | None = None,
+    ) -> None:
+        self._stream = stream
+        self._skip_bad = skip_bad
+        self._hash = hashlib.sha256()
+        self.offset = 0
+        self.line_no = start_line
+        self.row = start_row
+        if start_offset:
+            self._consume_prefix(start_offset, prefix_sha256)
+
+    def _consume_prefix(self, n_bytes: int, expected: str | None) -> None:
+        left = n_bytes
+        while left:
+            block = self._stream.read(min(left, _HASH_BLOCK))
+            if not block:
+                raise RetrieverError(
+                    f"cannot resume: the corpus is shorter ({n_bytes - left} bytes) than what the interrupted "
+                    f"build had read ({n_bytes} bytes); remove the partial build or pass --restart"
+                )
+            self._hash.update(block)
+            left -= len(block)
+        self.offset = n_bytes
+        if expected is not None and self._hash.hexdigest() != expected:
+            raise RetrieverError(
+                "cannot resume: the first bytes of the corpus differ from those the interrupted build read; "
+                "remove the partial build or pass --restart"
+            )
+
+    def sha256(self) -> str:
+        """The hash of every byte read so far (the whole corpus, once the reader is exhausted)."""
+        return self._hash.hexdigest()
+
+    def __iter__(self) -> Iterator[CorpusLine]:
+        for raw in self._stream:
+            self._hash.update(raw)
+            self.offset += len(raw)
+            self.line_no += 1
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, a separator) carry no passage
+            try:
+                passage = parse_line(raw, self.line_no, self.row)
+            except RetrieverError as e:
+                if not self._skip_bad:
+                    raise RetrieverError(f"{e} (pass --skip-bad to skip and count such lines)") from None
+                yield CorpusLine(self.line_no, self.offset, None, str(e))
+                continue
+            self.row += 1
+            yield CorpusLine(self.line_no, self.offset, passage)

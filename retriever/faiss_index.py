@@ -1,0 +1,147 @@
+"""The dense index families over L2-normalised embeddings (inner product = cosine): Flat, HNSW, IVF-PQ.
+
+`resolve_params` fills the automatic parameters from the corpus size and dimension (a pure function, so
+the manifest records exactly what was built). `build_faiss` adds the embedding shards one at a time (the
+embeddings never sit in RAM twice) and trains IVF-PQ on a random sample. With faiss-gpu and GPUs, Flat and
+IVF-PQ are built and searched sharded across all of them (fp16), HNSW stays on the CPU.
+build.py calls the builder; searcher.py loads and searches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from retriever.errors import RetrieverError
+
+INDEX_FILE = "index.faiss"
+MIN_POINTS_PER_CENTROID = 39  # below this faiss's k-means warns and the clusters are poor
+PQ_POINTS_PER_CENTROID = 10  # PQ sub-spaces have few dims: 10 points per code word train them well enough
+GPU_PQ_SIZES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        faiss.omp_set_num_threads(threads)
+
+
+def gpu_count() -> int:
+    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+
+
+def resolve_params(index_type: str, n: int, dim: int, given: dict[str, Any]) -> dict[str, Any]:
+    """The build and search parameters of an index of `n` vectors of `dim`, `given` ones taking precedence."""
+    p = {k: v for k, v in given.items() if v is not None}
+    if index_type == "hnsw":
+        p.setdefault("hnsw_m", 32)
+        p.setdefault("ef_construction", 200)
+        p.setdefault("ef_search", 128)
+    elif index_type == "ivfpq":
+        target = 2 ** round(math.log2(max(1.0, 4 * math.sqrt(n))))
+        p.setdefault("nlist", int(max(1, min(target, n // MIN_POINTS_PER_CENTROID))))
+        # About 4 dims per sub-quantizer (16x smaller than Flat), from the sizes faiss-gpu supports.
+        p.setdefault("pq_m", max((m for m in GPU_PQ_SIZES if dim % m == 0 and m <= max(1, dim // 4)), default=1))
+        fit = int(math.log2(max(n, 1) / PQ_POINTS_PER_CENTROID)) if n >= 16 * PQ_POINTS_PER_CENTROID else 4
+        p.setdefault("pq_nbits", max(4, min(8, fit)))
+        p.setdefault("nprobe", int(min(p["nlist"], max(8, min(256, p["nlist"] // 16)))))
+        wanted = max(40 * p["nlist"], 40 * 2 ** p["pq_nbits"], 100_000)
+        p.setdefault("train_size", int(min(n, wanted, 1_000_000)))  # 1M x 768 floats: 3 GB while training
+        if dim % p["pq_m"]:
+            raise RetrieverError(f"--pq-m {p['pq_m']} must divide the dimension {dim}")
+        if n < 2 ** p["pq_nbits"] or n < p["nlist"]:
+            raise RetrieverError(
+                f"IVF-PQ with {p['nlist']} lists and {p['pq_nbits']}-bit codes needs at least "
+                f"{max(2 ** p['pq_nbits'], p['nlist'])} passages to train; the corpus has {n} (use flat or hnsw)"
+            )
+    return p
+
+
+def make_index(index_type: str, dim: int, p: dict[str, Any]) -> faiss.Index:
+    if index_type == "flat":
+        return faiss.IndexFlatIP(dim)
+    if index_type == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, p["hnsw_m"], faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = p["ef_construction"]
+        return index
+    if index_type == "ivfpq":
+        quantizer = faiss.IndexFlatIP(dim)
+        index = faiss.IndexIVFPQ(quantizer, dim, p["nlist"], p["pq_m"], p["pq_nbits"], faiss.METRIC_INNER_PRODUCT)
+        index.pq.cp.min_points_per_centroid = PQ_POINTS_PER_CENTROID  # warn below our threshold, not faiss's 39
+        return index
+    raise ValueError(f"unknown dense index type {index_type!r}")
+
+
+def _to_all_gpus(index: faiss.Index) -> faiss.Index:
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True
+    options.useFloat16 = True
+    return faiss.index_cpu_to_all_gpus(index, co=options)
+
+
+def build_faiss(
+    index_type: str,
+    dim: int,
+    params: dict[str, Any],
+    shards: Callable[[], Iterator[np.ndarray]],
+    sample: Callable[[int], np.ndarray],
+    use_gpu: bool,
+    on_added: Callable[[int], None] | None = None,
+) -> faiss.Index:
+    """Train (IVF-PQ, on `sample(train_size)`), then add every shard; returns a CPU index to write."""
+    index = make_index(index_type, dim, params)
+    on_gpu = use_gpu and index_type != "hnsw" and gpu_count() > 0
+    if on_gpu:
+        try:
+            index = _to_all_gpus(index)
+        except RuntimeError as e:  # e.g. a PQ size the GPU kernels do not support
+            print(f"faiss-gpu cannot hold this index ({e}); building on the CPU", file=sys.stderr)
+            on_gpu = False
+    if not index.is_trained:
+        index.train(np.ascontiguousarray(sample(params["train_size"]), dtype=np.float32))
+    for chunk in shards():
+        index.add(np.ascontiguousarray(chunk, dtype=np.float32))
+        if on_added is not None:
+            on_added(len(chunk))
+    return faiss.index_gpu_to_cpu(index) if on_gpu else index
+
+
+def write_faiss(index: faiss.Index, path: Path) -> None:
+    faiss.write_index(index, str(path))
+
+
+class FaissSearch:
+    """A loaded dense index with its search-time parameters set; `search` pads missing hits with -1."""
+
+    def __init__(self, path: Path, index_type: str, params: dict[str, Any], *, mmap: bool, use_gpu: bool) -> None:
+        # IVF maps its inverted lists (IO_FLAG_MMAP); Flat and HNSW their flat codes (IO_FLAG_MMAP_IFC).
+        flags = 0
+        if mmap:
+            mapped = faiss.IO_FLAG_MMAP if index_type == "ivfpq" else faiss.IO_FLAG_MMAP_IFC
+            flags = mapped | faiss.IO_FLAG_READ_ONLY
+        index = faiss.read_index(str(path), flags)
+        self.dimension = int(index.d)
+        self.size = int(index.ntotal)
+        self.on_gpu = use_gpu and index_type != "hnsw" and gpu_count() > 0
+        if self.on_gpu:
+            index = _to_all_gpus(index)
+        space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+        if index_type == "ivfpq":
+            space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
+        if index_type == "hnsw":
+            space.set_index_parameter(index, "efSearch", int(params["ef_search"]))
+        self._index = index
+        self._ef_search = int(params.get("ef_search", 0))
+        self._hnsw = index_type == "hnsw"
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        k = min(k, self.size)
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        if self._hnsw and k > self._ef_search:  # HNSW returns at most efSearch results
+            return self._index.search(x, k, params=faiss.SearchParametersHNSW(efSearch=k))
+        return self._index.search(x, k)

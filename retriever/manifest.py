@@ -1,0 +1,97 @@
+"""`manifest.json`: what an index directory holds, written last by build.py and checked by searcher.py.
+
+It names the index type and its parameters, the encoder (name, fingerprint, pooling, prefixes, max length,
+dimension) or the BM25 tokenizer, the corpus (rows, bytes, sha256, skipped lines) and the format version.
+A server refuses to start on a directory whose manifest does not match what it would search with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from retriever.errors import RetrieverError
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+IndexType = Literal["flat", "hnsw", "ivfpq", "bm25"]
+DENSE_TYPES = ("flat", "hnsw", "ivfpq")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EncoderInfo(_Strict):
+    name: str  # as given to the build: a hub id (resolved again at serve time) or a local path
+    fingerprint: str  # see encoder.model_fingerprint: a relocated copy of the same model passes, another fails
+    pooling: Literal["mean", "cls"]
+    query_prefix: str
+    passage_prefix: str
+    max_length: int
+    dimension: int
+
+
+class CorpusInfo(_Strict):
+    source: str
+    rows: int
+    bytes: int
+    sha256: str
+    skipped_lines: int = 0
+
+
+class Bm25Info(_Strict):
+    k1: float
+    b: float
+    method: str
+    stopwords: str
+
+
+class Manifest(_Strict):
+    format_version: int = FORMAT_VERSION
+    index_type: IndexType
+    dimension: int | None = None  # dense indexes only
+    encoder: EncoderInfo | None = None
+    bm25: Bm25Info | None = None
+    corpus: CorpusInfo
+    index_params: dict[str, Any] = Field(default_factory=dict)
+    build: dict[str, Any] = Field(default_factory=dict)  # timings, library versions, where it was built
+
+    @property
+    def is_dense(self) -> bool:
+        return self.index_type in DENSE_TYPES
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    (directory / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Load and check a manifest, with errors that say what the directory is instead."""
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        partial = directory.with_name(directory.name + ".partial")
+        hint = f"; an unfinished build is in {partial} (run the same build command to resume it)" if partial.exists() else ""
+        raise RetrieverError(f"{directory}: no such index directory{hint}")
+    if not path.exists():
+        raise RetrieverError(f"{directory}: no {MANIFEST_FILE}; not an index directory built by `retriever build`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RetrieverError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise RetrieverError(f"{path}: format_version {version!r}, this server reads version {FORMAT_VERSION}; rebuild the index")
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise RetrieverError(f"{path}: invalid manifest: {problems}") from None
+    if manifest.is_dense and (manifest.encoder is None or manifest.dimension != manifest.encoder.dimension):
+        raise RetrieverError(f"{path}: a dense index needs an encoder whose dimension equals `dimension`")
+    if manifest.index_type == "bm25" and manifest.bm25 is None:
+        raise RetrieverError(f"{path}: a bm25 index needs a `bm25` section")
+    return manifest

@@ -1,0 +1,107 @@
+"""The HTTP service: `POST /retrieve` with Search-R1's schema and `GET /health`.
+
+Request `{"queries": [...], "topk": k, "return_scores": bool}`. Response `{"result": [...]}`, one list per
+query, best first: `{"document": {"id", "contents"}, "score"}` items with `return_scores`, the bare
+documents without (what Search-R1's server meant to return; its own fails on `return_scores=false`).
+`topk` defaults to 3 (Search-R1's training setting). Bad input is answered at the boundary: a body over
+the size limit or too many queries -> 413; `topk` outside 1..1000, an over-long query or a malformed body
+-> 422; no queries -> an empty result. Requests go through batching.py; the index was opened and checked
+by searcher.py before the app exists. cli.py runs it under uvicorn.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from retriever.batching import DynamicBatcher
+from retriever.searcher import OpenIndex
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    default_topk: int = 3
+    max_topk: int = 1000
+    max_queries: int = 1024
+    max_query_chars: int = 4096
+    max_body_bytes: int = 4 << 20
+    dynamic_batching: bool = True
+    max_batch_queries: int = 256
+    max_wait_ms: float = 2.0
+
+
+class RetrieveRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # Search-R1 clients may send more; these three are the schema
+
+    queries: list[str]
+    topk: int | None = None
+    return_scores: bool = False
+
+
+def _unprocessable(detail: object) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` (declared or streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -> FastAPI:  # noqa: B008
+    batcher = DynamicBatcher(
+        opened.index.search, opened.docs.get_many, max_batch_queries=settings.max_batch_queries,
+        max_wait_ms=settings.max_wait_ms, merge=settings.dynamic_batching,
+    )  # fmt: skip
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="agentrl retriever", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", **opened.describe(), "batching": batcher.describe()}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> JSONResponse:
+        body = await _read_body(request, settings.max_body_bytes)
+        try:
+            req = RetrieveRequest.model_validate_json(body)
+        except ValidationError as e:
+            return _unprocessable(e.errors(include_url=False, include_context=False, include_input=False))
+        topk = settings.default_topk if req.topk is None else req.topk
+        if not 1 <= topk <= settings.max_topk:
+            return _unprocessable(f"topk must be between 1 and {settings.max_topk}, got {topk}")
+        if len(req.queries) > settings.max_queries:
+            raise HTTPException(413, f"{len(req.queries)} queries in one request; the limit is {settings.max_queries}")
+        too_long = [i for i, q in enumerate(req.queries) if len(q) > settings.max_query_chars]
+        if too_long:
+            return _unprocessable(f"queries {too_long[:10]} exceed {settings.max_query_chars} characters")
+        try:
+            hits = await batcher.retrieve(req.queries, topk)
+        except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps serving
+            return JSONResponse(status_code=500, content={"detail": f"retrieval failed: {type(e).__name__}: {e}"})
+        if req.return_scores:
+            result = [[{"document": doc, "score": score} for doc, score in query] for query in hits]
+        else:
+            result = [[doc for doc, _ in query] for query in hits]
+        return JSONResponse({"result": result})
+
+    return app

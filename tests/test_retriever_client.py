@@ -1,0 +1,170 @@
+"""agentrl/tools/search.py over loopback HTTP: Search-R1's formatting against our server and against a
+server that answers exactly as Search-R1's does; failures (5xx, timeout, refused connection, 4xx) become
+ToolResults with `error` set after bounded retries, never exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from agentrl.tools import Tool
+from agentrl.tools.search import SearchTool, format_passages, retrieve_url
+from agentrl.types import ToolCall
+from tests.test_retriever_support import build_index, free_port, serve_index, serving, write_jsonl
+
+CORPUS = [
+    {"id": "0", "contents": '"Paris"\nParis is the capital of France.'},
+    {"id": "1", "contents": '"Berlin"\nBerlin is the capital of Germany.'},
+    {"id": "2", "contents": '"Cheese"\nFrance makes many cheeses.\nSome are blue.'},
+]
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _call(url: str, query: str, **kwargs):
+    tool = SearchTool(url, **kwargs)
+    try:
+        return await tool.call(ToolCall("search", {"query": query}))
+    finally:
+        await tool.aclose()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("client")
+    build_index(write_jsonl(root / "c.jsonl", CORPUS), root / "idx", "bm25")
+    with serve_index(root / "idx") as url:
+        yield url
+
+
+def test_formats_like_search_r1(server):
+    result = _run(_call(server, "capital of France", topk=2))
+    assert result.ok and result.error is None
+    assert result.text == "Doc 1(Title: \"Paris\") Paris is the capital of France.\nDoc 2(Title: \"Berlin\") Berlin is the capital of Germany."
+    assert [d["id"] for d in result.metadata["documents"]] == ["0", "1"]
+    assert result.metadata["attempts"] == 1
+
+
+def test_batch_sends_one_request_for_many_queries(server):
+    async def go():
+        tool = SearchTool(server + "/", topk=1)  # a base URL works too
+        try:
+            return await tool.batch(["Germany", "blue cheeses", "zebra"])
+        finally:
+            await tool.aclose()
+
+    germany, cheese, zebra = _run(go())
+    assert germany.text == "Doc 1(Title: \"Berlin\") Berlin is the capital of Germany."
+    assert cheese.text == "Doc 1(Title: \"Cheese\") France makes many cheeses.\nSome are blue."
+    assert zebra.ok and zebra.text == "No results."
+
+
+def test_is_a_tool():
+    tool = SearchTool()
+    assert isinstance(tool, Tool) and tool.name == "search"
+    _run(tool.aclose())
+
+
+def test_malformed_call_needs_no_request():
+    async def go():
+        tool = SearchTool(f"http://127.0.0.1:{free_port()}")
+        try:
+            return await tool.call(ToolCall("search", {"q": "x"}))
+        finally:
+            await tool.aclose()
+
+    result = _run(go())
+    assert result.error == "malformed" and "query" in result.text
+
+
+def test_format_passages_and_url():
+    docs = [{"contents": '"A title"\nline one\nline two'}, {"contents": "no title line"}]
+    assert format_passages(docs) == "Doc 1(Title: \"A title\") line one\nline two\nDoc 2(Title: no title line) "
+    assert retrieve_url("http://h:8000") == "http://h:8000/retrieve"
+    assert retrieve_url("http://h:8000/retrieve") == "http://h:8000/retrieve"
+
+
+def _search_r1_app(fail_first: int = 0, status: int = 503) -> FastAPI:
+    """Answers like Search-R1's retrieval_server.py (`return_scores=true`), after `fail_first` failures."""
+    app = FastAPI()
+    seen = {"requests": 0}
+    app.state.seen = seen
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        seen["requests"] += 1
+        if seen["requests"] <= fail_first:
+            return JSONResponse(status_code=status, content={"detail": "busy"})
+        body = await request.json()
+        assert body["return_scores"] is True  # Search-R1's server fails without it
+        result = [
+            [{"document": {"id": str(i), "contents": CORPUS[i]["contents"]}, "score": 1.0 - i / 10} for i in range(body["topk"])]
+            for _ in body["queries"]
+        ]
+        return {"result": result}
+
+    return app
+
+
+def test_works_against_a_search_r1_shaped_server():
+    with serving(_search_r1_app()) as url:
+        result = _run(_call(url, "anything", topk=2))
+    assert result.text.startswith("Doc 1(Title: \"Paris\") Paris is the capital of France.\nDoc 2(Title: \"Berlin\")")
+    assert result.metadata["scores"] == [1.0, 0.9]
+
+
+def test_retries_5xx_then_succeeds():
+    app = _search_r1_app(fail_first=2)
+    with serving(app) as url:
+        result = _run(_call(url, "x", topk=1, max_retries=2, backoff_s=0.01))
+    assert result.ok and result.metadata["attempts"] == 3 and app.state.seen["requests"] == 3
+
+
+def test_persistent_5xx_becomes_an_error_result():
+    app = _search_r1_app(fail_first=100)
+    with serving(app) as url:
+        result = _run(_call(url, "x", max_retries=2, backoff_s=0.01))
+    assert result.error == "http_503" and "HTTP 503" in result.text and "after 3 attempts" in result.text
+    assert app.state.seen["requests"] == 3
+
+
+def test_4xx_is_not_retried():
+    app = _search_r1_app(fail_first=100, status=422)
+    with serving(app) as url:
+        result = _run(_call(url, "x", max_retries=3, backoff_s=0.01))
+    assert result.error == "http_422" and app.state.seen["requests"] == 1
+
+
+def test_timeout_becomes_an_error_result():
+    app = FastAPI()
+    never = asyncio.Event()
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    @app.post("/retrieve")
+    async def hang():
+        try:
+            await asyncio.wait_for(never.wait(), timeout=1)  # far past the client timeout; bounded for shutdown
+        except asyncio.TimeoutError:
+            pass
+        return {"result": [[]]}
+
+    with serving(app) as url:
+        result = _run(_call(url, "x", timeout_s=0.2, max_retries=1, backoff_s=0.01))
+    assert result.error == "timeout" and "0.2s" in result.text and result.metadata["attempts"] == 2
+
+
+def test_refused_connection_becomes_an_error_result():
+    result = _run(_call(f"http://127.0.0.1:{free_port()}", "x", max_retries=1, backoff_s=0.01))
+    assert result.error == "connection" and "cannot reach" in result.text

