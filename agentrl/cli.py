@@ -22,6 +22,19 @@ app = typer.Typer(
 tasks_app = typer.Typer(help="Validate, render and check task specs (tasks/*.yaml).", no_args_is_help=True)
 app.add_typer(tasks_app, name="tasks")
 
+
+def _mount_services() -> None:
+    # The services' command lines live with the services (they are also `python -m sandbox|retriever`);
+    # both import nothing heavy until a command runs.
+    from retriever.cli import app as retriever_app
+    from sandbox.cli import app as sandbox_app
+
+    app.add_typer(sandbox_app, name="sandbox", help="The code-execution sandbox service (SandboxFusion-compatible).")
+    app.add_typer(retriever_app, name="retriever", help="Build and serve retrieval indexes (Search-R1-compatible).")
+
+
+_mount_services()
+
 SetOption = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer reads the annotation at runtime on Python 3.10
     typer.Option("--set", "-s", help="Override a key: --set dataset.path=data.jsonl (repeatable)."),

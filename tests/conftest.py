@@ -26,6 +26,10 @@ def shared_file(relative: str) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+def make_tiny_tokenizer():
     """A byte-level BPE tokenizer trained in a second on a few sentences, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

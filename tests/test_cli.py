@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 HEAVY = ("torch", "transformers", "datasets", "ray", "math_verify", "sympy", "pydantic")
@@ -23,8 +25,16 @@ def test_cli_import_is_light():
 def test_help_lists_only_working_groups():
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "--help"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "tasks" in out.stdout
+    for group in ("tasks", "sandbox", "retriever"):
+        assert group in out.stdout
     for sub in ("validate", "show", "check"):
         sub_help = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", sub, "--help"],
                                   capture_output=True, text=True, cwd=REPO)
         assert sub_help.returncode == 0 and "Usage" in sub_help.stdout
+
+
+@pytest.mark.parametrize("package", ["sandbox", "retriever"])
+def test_services_do_not_import_torch(package):
+    out = run_python(f"import sys, {package}; print('torch' in sys.modules)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

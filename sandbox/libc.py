@@ -1,0 +1,126 @@
+"""Thin ctypes bindings to the Linux calls the isolation layer needs and Python 3.11 lacks.
+
+Python 3.11 has no `os.unshare`, `os.setns`, `mount` or `pivot_root`; rootfs.py (the zygote's filesystem
+view), zygote.py (the fork server) and child.py (one confined run) call them through this module.
+Every wrapper raises OSError with the errno and the call's arguments, so a failure names what failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MNT_DETACH = 2
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_SECUREBITS = 28
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+# SECBIT_NOROOT | _LOCKED | SECBIT_NO_SETUID_FIXUP | _LOCKED | SECBIT_KEEP_CAPS_LOCKED:
+# uid 0 never regains capabilities on execve (the single-uid fallback runs code as uid 0 in its namespace).
+SECURE_NOROOT_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
+
+_SYSCALLS = {"x86_64": {"pivot_root": 155}, "aarch64": {"pivot_root": 41}}
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), f"unshare({flags:#x})")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), f"setns({fd}, {nstype:#x})")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return None if s is None else s.encode()
+
+    result = _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+    _check(result, f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}, {data!r})")
+
+
+def umount2(target: str, flags: int) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount2({target!r})")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    number = _SYSCALLS.get(platform.machine(), {}).get("pivot_root")
+    if number is None:
+        raise OSError(0, f"pivot_root: unsupported architecture {platform.machine()}")
+    result = _libc.syscall(ctypes.c_long(number), new_root.encode(), put_old.encode())
+    _check(result, f"pivot_root({new_root!r}, {put_old!r})")
+
+
+def prctl(option: int, arg: int = 0) -> None:
+    zero = ctypes.c_ulong(0)
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), zero, zero, zero), f"prctl({option}, {arg})")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_all_capabilities() -> None:
+    """Empty the bounding, effective, permitted and inheritable sets and lock uid 0 out of regaining them.
+
+    Needed only in the single-uid fallback, where the run keeps uid 0 inside its user namespace."""
+    prctl(PR_SET_SECUREBITS, SECURE_NOROOT_ALL)
+    cap = 0
+    while True:  # drop until the kernel says the capability number does not exist
+        if _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), 0, 0, 0) != 0:
+            break
+        cap += 1
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset(empty)")
+
+
+def bind_flags_of(path: str) -> int:
+    """The mount flags a read-only remount of a bind of `path` must keep: a user namespace may not
+    clear nosuid/nodev/noexec or change atime flags inherited from a more privileged mount."""
+    st = os.statvfs(path)
+    flags = 0
+    for st_flag, ms_flag in (
+        (os.ST_NOSUID, MS_NOSUID),
+        (os.ST_NODEV, MS_NODEV),
+        (os.ST_NOEXEC, MS_NOEXEC),
+        (os.ST_NOATIME, MS_NOATIME),
+        (os.ST_NODIRATIME, MS_NODIRATIME),
+        (os.ST_RELATIME, MS_RELATIME),
+    ):
+        if st.f_flag & st_flag:
+            flags |= ms_flag
+    return flags

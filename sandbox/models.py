@@ -1,0 +1,109 @@
+"""The HTTP schema: SandboxFusion's `/run_code` request and response, and our `/sessions` calls.
+
+Field names, defaults and status values follow SandboxFusion (bytedance/SandboxFusion,
+sandbox/server/sandbox_api.py and sandbox/runners/types.py), so ToRL and veRL clients work unchanged.
+`language` is a plain string here: an unsupported one is answered 400 with the supported list (server.py)
+rather than a 422 enum error. Paths in `files` / `fetch_files` must stay inside the working directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import posixpath
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SUPPORTED_LANGUAGES = ("python", "bash")
+
+
+def _check_relative(path: str) -> str:
+    normal = posixpath.normpath(path)
+    if not path or path.startswith("/") or normal == ".." or normal.startswith("../") or normal == ".":
+        raise ValueError(f"{path!r} must be a relative path inside the working directory")
+    if "\x00" in path:
+        raise ValueError(f"{path!r} contains a NUL byte")
+    return path
+
+
+class _Program(BaseModel):
+    """What both one-shot runs and session calls carry."""
+
+    model_config = ConfigDict(extra="ignore")  # SandboxFusion clients may send fields we do not use
+
+    code: str = Field(..., description="the code to run")
+    stdin: str | None = Field(None, description="text fed to standard input")
+    files: dict[str, str | None] = Field(default_factory=dict, description="relative path -> base64 content")
+    fetch_files: list[str] = Field(default_factory=list, description="relative paths returned after the run")
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, files: dict[str, str | None]) -> dict[str, str | None]:
+        for path, content in files.items():
+            _check_relative(path)
+            if content is not None:
+                try:
+                    base64.b64decode(content, validate=True)
+                except (binascii.Error, ValueError) as e:
+                    raise ValueError(f"content of {path!r} is not valid base64: {e}") from None
+        return files
+
+    @field_validator("fetch_files")
+    @classmethod
+    def _fetch(cls, paths: list[str]) -> list[str]:
+        return [_check_relative(p) for p in paths]
+
+
+class RunCodeRequest(_Program):
+    language: str = Field(..., description="python or bash")
+    compile_timeout: float = Field(10, gt=0, description="accepted for compatibility; nothing is compiled")
+    run_timeout: float = Field(10, gt=0, description="wall-clock seconds (clamped to the server's maximum)")
+    memory_limit_MB: int = Field(-1, description="memory budget in MB; <= 0 means the server default")
+    args: list[str] = Field(default_factory=list, description="extra argv (sys.argv[1:] / $1...)")
+
+
+class SessionRunRequest(_Program):
+    run_timeout: float = Field(10, gt=0, description="wall-clock seconds for this call")
+
+
+class RunStatus(str, Enum):
+    Success = "Success"  # finished with return code 0
+    Failed = "Failed"  # non-zero return code or time limit exceeded
+    SandboxError = "SandboxError"  # the sandbox itself failed
+
+
+class CommandRunStatus(str, Enum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class CommandRunResult(BaseModel):
+    status: CommandRunStatus
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str = ""
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    memory_limit_MB: int = Field(-1, description="memory budget of the session; <= 0: server default")
+    idle_timeout: float | None = Field(None, gt=0, description="seconds unused before it is closed")
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    idle_timeout: float
+    memory_limit_MB: int

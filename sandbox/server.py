@@ -1,0 +1,248 @@
+"""The HTTP service: SandboxFusion-compatible `POST /run_code`, `GET /health`, and `/sessions`.
+
+`create_app(settings)` builds the FastAPI app around a backend (backend.py). This module is the input
+boundary: bodies over `max_request_bytes` and code over `max_code_bytes` -> 413, malformed or mistyped
+fields -> 422 naming the field, an unsupported language -> 400, a missing or wrong bearer token -> 401,
+every worker busy with a full queue -> 503 with Retry-After, too many sessions -> 429. A client that
+disconnects mid-run gets its run killed. Run outcomes map onto SandboxFusion's statuses (`to_response`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from sandbox.backend import Backend, make_backend
+from sandbox.models import (
+    SUPPORTED_LANGUAGES,
+    CommandRunResult,
+    CommandRunStatus,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunStatus,
+    SessionCreate,
+    SessionInfo,
+    SessionRunRequest,
+)
+from sandbox.pool import Overloaded
+from sandbox.run import Job, Outcome
+from sandbox.sessions import SessionError, SessionManager
+from sandbox.settings import Settings
+
+log = logging.getLogger("sandbox.server")
+T = TypeVar("T")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+class ClientGone(Exception):
+    pass
+
+
+def to_response(outcome: Outcome) -> RunCodeResponse:
+    """SandboxFusion's mapping: Error -> SandboxError; time limit or non-zero exit -> Failed."""
+    result = CommandRunResult(status=CommandRunStatus(outcome.status), execution_time=outcome.execution_time,
+                              return_code=outcome.return_code, stdout=outcome.stdout, stderr=outcome.stderr)
+    if outcome.status == "Error":
+        status = RunStatus.SandboxError
+    elif outcome.status == "TimeLimitExceeded" or outcome.return_code != 0:
+        status = RunStatus.Failed
+    else:
+        status = RunStatus.Success
+    return RunCodeResponse(status=status, message=outcome.message, run_result=result, files=outcome.files)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes with 413 before anything parses them."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.limit:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)  # the server enforces a declared length
+        seen, refused = 0, False
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal seen, refused
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit and not refused:  # a chunked body without Content-Length
+                refused = True
+                await self._refuse(send)
+            return {"type": "http.disconnect"} if refused else message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if not refused:  # after our 413 the app's own answer has nowhere to go
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _refuse(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        body = JSONResponse({"detail": f"request body exceeds {self.limit} bytes"}, status_code=413)
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+
+async def until_disconnect(work: Awaitable[T], request: Request) -> T:
+    """Await `work` in this task unless the client disconnects first; then the task is cancelled
+    (so is the run: it gets killed) and ClientGone raised. One watcher task, no extra waiting."""
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher.add_done_callback(lambda w: None if w.cancelled() else task.cancel())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ClientGone from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read; the server's receive() now blocks until the client goes away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
+    backend = backend or make_backend(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        log.info("sandbox ready: %s backend, %s", backend.name, backend.status())
+        yield
+        await backend.stop()
+
+    app = FastAPI(title="agentrl sandbox", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+
+    async def authorized(request: Request) -> None:
+        if settings.token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
+            raise HTTPError(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+        return JSONResponse({"detail": jsonable_encoder(errors), "message": f"invalid request: {fields}"}, 422)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        return JSONResponse({"detail": f"sandbox overloaded: {exc}"}, 503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(SessionError)
+    async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
+        headers = {"Retry-After": "5"} if exc.status in (429, 503) else None
+        return JSONResponse({"detail": str(exc)}, exc.status, headers=headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the run was killed
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "backend": backend.name, **backend.status()}
+
+    # The hot path: the body is validated by pydantic-core straight from bytes and the answer serialised
+    # the same way, skipping FastAPI's dependency and response-model machinery (about half of this
+    # service's own time per request); the schema still shows in /docs.
+    @app.post("/run_code", response_model=RunCodeResponse, openapi_extra=_body_schema(RunCodeRequest))
+    async def run_code(request: Request) -> Response:
+        await authorized(request)
+        req = _parse(RunCodeRequest, await request.body())
+        if req.language not in SUPPORTED_LANGUAGES:
+            raise HTTPError(400, f"language {req.language!r} is not supported here; supported: "
+                                 f"{', '.join(SUPPORTED_LANGUAGES)}")
+        _check_code_size(req.code, settings)
+        job = Job(code=req.code, language=req.language, timeout_s=settings.clamp_timeout(req.run_timeout),
+                  memory_mb=settings.clamp_memory(req.memory_limit_MB), stdin=req.stdin, files=req.files,
+                  fetch_files=req.fetch_files, args=req.args)
+        outcome = await until_disconnect(backend.run(job), request)
+        return Response(to_response(outcome).model_dump_json(), media_type="application/json")
+
+    def sessions() -> SessionManager:
+        if backend.sessions is None:
+            raise HTTPError(400, f"sessions are not available with the {backend.name} backend "
+                                 "(or max_sessions is 0); use the namespace backend")
+        return backend.sessions
+
+    @app.post("/sessions", status_code=201, response_model=SessionInfo, dependencies=[Depends(authorized)])
+    async def create_session(req: SessionCreate | None = None) -> SessionInfo:
+        req = req or SessionCreate()
+        memory = settings.clamp_memory(req.memory_limit_MB if req.memory_limit_MB > 0
+                                       else settings.session_memory_mb)
+        session = await sessions().create(memory, req.idle_timeout)
+        return SessionInfo(session_id=session.id, idle_timeout=session.idle_timeout, memory_limit_MB=memory)
+
+    @app.post("/sessions/{session_id}/run_code", response_model=RunCodeResponse,
+              dependencies=[Depends(authorized)])
+    async def session_run(session_id: str, req: SessionRunRequest, request: Request) -> RunCodeResponse:
+        _check_code_size(req.code, settings)
+        manager = sessions()
+        return to_response(await until_disconnect(manager.call(session_id, req), request))
+
+    @app.delete("/sessions/{session_id}", status_code=204, dependencies=[Depends(authorized)])
+    async def close_session(session_id: str) -> Response:
+        manager = sessions()
+        manager.get(session_id)  # 404 for an unknown id
+        await manager.close(session_id)
+        return Response(status_code=204)
+
+    @app.get("/sessions", dependencies=[Depends(authorized)])
+    async def list_sessions() -> dict[str, Any]:
+        manager = sessions()
+        return {"session_ids": sorted(manager.sessions), **manager.status()}
+
+    return app
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:  # the same 422 as FastAPI's own validation, locations under "body"
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}
+    return {"requestBody": schema}
+
+
+def _check_code_size(code: str, settings: Settings) -> None:
+    size = len(code.encode("utf-8", errors="surrogatepass"))
+    if size > settings.max_code_bytes:
+        raise HTTPError(413, f"code is {size} bytes; the limit is {settings.max_code_bytes}")

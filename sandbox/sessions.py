@@ -1,0 +1,229 @@
+"""Stateful Python sessions: one long-lived confined child per session, globals kept across calls.
+
+A session is a child (child.py, `_session_loop`) forked by a dedicated zygote (pool.Zygote with
+`sessions=True`), confined like a run plus its own network namespace and its own uid, so sessions can
+neither see nor signal nor reach each other. Calls go over the session's socket as length-prefixed
+frames; stdout/stderr are per call. A call over its `run_timeout` is interrupted (SIGINT ->
+KeyboardInterrupt, the session survives); one that ignores the interrupt for `INTERRUPT_GRACE_S` takes its
+session down. Sessions unused for their idle timeout are closed; at most `max_sessions` live at once.
+server.py maps `SessionError` to its HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandbox.cgroups import CgroupSet
+from sandbox.models import SessionRunRequest
+from sandbox.pool import Zygote
+from sandbox.run import Outcome, OutputCapture, ZygoteDied, limits_for, open_channels
+from sandbox.settings import Settings
+from sandbox.wire import encode_frame
+
+INTERRUPT_GRACE_S = 2.0
+
+
+class SessionError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Session:
+    id: str
+    idle_timeout: float
+    memory_mb: int
+    sock: socket.socket
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    out: OutputCapture
+    err: OutputCapture
+    exited: asyncio.Future[dict[str, Any]]
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def close_channels(self) -> None:
+        self.writer.close()
+        self.out.close()
+        self.err.close()
+
+
+class SessionManager:
+    def __init__(self, settings: Settings, cgroups: CgroupSet | None) -> None:
+        self.settings = settings
+        self.zygote = self._new_zygote(cgroups)
+        self.sessions: dict[str, Session] = {}
+        self._counter = 0
+        self._reaper: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def _new_zygote(self, cgroups: CgroupSet | None) -> Zygote:
+        s = self.settings
+        return Zygote("sessions", s.session_uid, s, cgroups, sessions=True,
+                      cgroup_memory_mb=s.sessions_memory_mb, cgroup_pids=s.max_sessions * s.max_processes)
+
+    async def start(self) -> None:
+        await self.zygote.start(self.settings.preload)
+        self._reaper = asyncio.create_task(self._reap_idle())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for sid in list(self.sessions):
+            await self.close(sid)
+        await self.zygote.stop()
+
+    async def create(self, memory_mb: int, idle_timeout: float | None) -> Session:
+        if not self.zygote.alive:
+            await self.zygote.stop()
+            self.zygote = self._new_zygote(self.zygote.cgroups)
+            await self.zygote.start(self.settings.preload)
+        if len(self.sessions) >= self.settings.max_sessions:
+            raise SessionError(429, f"{self.settings.max_sessions} sessions are open; close one first")
+        sid = uuid.uuid4().hex
+        uid = self.settings.session_uid + self._counter % 40000  # own uid: own RLIMIT_NPROC, no signals
+        self._counter += 1
+        sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
+        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self)
+        try:
+            exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
+        except ZygoteDied as e:
+            sock.close()
+            out.close()
+            err.close()
+            raise SessionError(503, str(e)) from None
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        session = Session(sid, idle_timeout or self.settings.session_idle_s, memory_mb, sock, reader, writer,
+                          out, err, exited)
+        self.sessions[sid] = session
+        exited.add_done_callback(lambda f: self._ended(sid))
+        return session
+
+    def _ended(self, sid: str) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is not None and not session.lock.locked():
+            session.close_channels()
+
+    def get(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise SessionError(404, f"no session {sid!r} (never created, closed, expired or crashed)")
+        return session
+
+    async def call(self, sid: str, req: SessionRunRequest) -> Outcome:
+        session = self.get(sid)
+        async with session.lock:  # calls of one session run one after the other
+            timeout = self.settings.clamp_timeout(req.run_timeout)
+            frame = {"code": req.code, "stdin": req.stdin, "files": req.files, "fetch_files": req.fetch_files}
+            try:
+                session.writer.write(encode_frame(frame))
+                await session.writer.drain()
+                reply = await self._reply(session, timeout)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                reply = None
+            except asyncio.CancelledError:  # the client left mid-call: its reply would desynchronise
+                closing = asyncio.ensure_future(self.close(sid))  # the next call, so end the session
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+                raise
+            finally:
+                session.last_used = time.monotonic()
+            if reply is None:  # the session process is gone (OOM kill, os._exit, CPU budget)
+                await self.close(sid)
+                final = await _exit_report(session)
+                session.out.drain()
+                session.err.drain()
+                outcome = Outcome("Finished", None, final.get("code"), session.out.take(), session.err.take(),
+                                  message="the session ended; its state is gone")
+                session.close_channels()
+                return outcome
+            session.out.drain()
+            session.err.drain()
+            stdout, stderr = session.out.take(), session.err.take()
+            if reply.get("error"):
+                return Outcome("Error", reply.get("time"), stdout=stdout, stderr=stderr, message=reply["error"])
+            if reply.get("timed_out"):
+                return Outcome("TimeLimitExceeded", timeout, None, stdout, stderr, message=reply["timed_out"])
+            return Outcome("Finished", reply.get("time"), reply["code"], stdout, stderr,
+                           files=reply.get("files") or {})
+
+    async def _reply(self, session: Session, timeout: float) -> dict[str, Any] | None:
+        limit = self.settings.max_fetch_bytes * 2 + (1 << 20)
+        read = asyncio.ensure_future(_read_frame(session.reader, limit))
+        done, _ = await asyncio.wait([read], timeout=timeout)
+        if done:
+            return read.result()
+        self.zygote.control({"op": "signal", "id": session.id, "signal": int(signal.SIGINT)})
+        done, _ = await asyncio.wait([read], timeout=INTERRUPT_GRACE_S)
+        if done and read.result() is not None:
+            reply = read.result()
+            reply["timed_out"] = "run_timeout exceeded; the call was interrupted, the session kept its state"
+            return reply
+        read.cancel()
+        await self.close(session.id)
+        return {"timed_out": "run_timeout exceeded and the call ignored the interrupt; the session was closed"}
+
+    async def close(self, sid: str) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is None:
+            return
+        self.zygote.control({"op": "kill", "id": sid})
+        with contextlib.suppress(ZygoteDied, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(session.exited), INTERRUPT_GRACE_S * 2)
+        session.out.drain()
+        session.err.drain()
+        session.close_channels()
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.settings.session_idle_s / 4))
+            now = time.monotonic()
+            for sid, session in list(self.sessions.items()):
+                if not session.lock.locked() and now - session.last_used > session.idle_timeout:
+                    await self.close(sid)
+
+    def status(self) -> dict[str, int]:
+        return {"sessions": len(self.sessions), "max_sessions": self.settings.max_sessions}
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any] | None:
+    """The session's reply, or None when the session is gone or sent something that is not a reply
+    (the socket is reachable from the session's own code: its frames are checked like any input)."""
+    try:
+        (length,) = struct.unpack(">I", await reader.readexactly(4))
+        if length > limit:
+            return None
+        reply = json.loads(await reader.readexactly(length))
+    except (asyncio.IncompleteReadError, ValueError):
+        return None
+    if not isinstance(reply, dict) or not isinstance(reply.get("code"), int):
+        return None
+    files = reply.get("files")
+    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+        reply["files"] = {}
+    if not isinstance(reply.get("time"), (int, float)):
+        reply["time"] = None
+    if not isinstance(reply.get("error") or "", str):
+        reply["error"] = "the session's reply was malformed"
+    return reply
+
+
+async def _exit_report(session: Session) -> dict[str, Any]:
+    try:
+        return await asyncio.wait_for(asyncio.shield(session.exited), INTERRUPT_GRACE_S * 2)
+    except (ZygoteDied, asyncio.TimeoutError):
+        return {}

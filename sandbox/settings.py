@@ -1,0 +1,65 @@
+"""Service settings: every limit and size the sandbox enforces, in one place.
+
+cli.py builds a `Settings` from flags; server.py, pool.py, sessions.py and docker_backend.py read it.
+Per-request values (`run_timeout`, `memory_limit_MB`) are clamped to the maxima here (`clamp_*`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token: str | None = None  # bearer token; None: no authentication (loopback default)
+    backend: str = "namespace"  # "namespace" (this host's kernel) or "docker"
+    docker_image: str = "python:3.11-slim"
+
+    workers: int = field(default_factory=lambda: max(2, 2 * (os.cpu_count() or 1)))  # concurrent runs
+    max_queue: int = 256  # runs waiting for a worker beyond which the service answers 503
+    queue_timeout_s: float = 60.0
+
+    max_code_bytes: int = 1 * MB  # larger `code` -> 413
+    max_request_bytes: int = 64 * MB  # whole body (code + base64 files) -> 413
+    max_output_bytes: int = 1 * MB  # per stream; the rest is discarded behind a marker
+    max_fetch_bytes: int = 16 * MB  # total of fetched files per run
+
+    default_run_timeout_s: float = 10.0
+    max_run_timeout_s: float = 120.0
+    default_memory_mb: int = 1024  # memory_limit_MB <= 0 means this
+    max_memory_mb: int = 4096
+    max_processes: int = 64  # RLIMIT_NPROC (per run uid) and the cgroup's pids.max
+    max_open_files: int = 256
+    max_file_size_mb: int = 64  # RLIMIT_FSIZE
+    disk_mb: int = 256  # tmpfs /tmp (holding the working dir) per run
+
+    single_uid: bool = False  # force the unprivileged-host fallback (one uid, no capabilities) as root
+    uid_base: int = 2_000_000_000  # host uids base..base+65535 back the namespace's uids (root only)
+    run_uid: int = 1000  # inside uid of worker i's runs is run_uid + i
+    session_uid: int = 20000  # inside uid of the k-th session is session_uid + k % 40000
+    preload: tuple[str, ...] = (
+        "math", "numpy", "numpy.random", "numpy.linalg", "numpy.fft", "sympy", "fractions", "itertools",
+        "collections", "decimal", "statistics", "cmath", "random", "re", "json",
+    )
+    extra_binds: tuple[str, ...] = ()
+
+    max_sessions: int = 32  # live sessions; creating one more -> 429
+    session_idle_s: float = 600.0  # a session unused this long is closed
+    session_cpu_s: float = 600.0  # RLIMIT_CPU over a session's whole life
+    session_memory_mb: int = 1024  # RLIMIT_AS budget of each session
+    sessions_memory_mb: int = 8192  # cgroup cap on all sessions together
+
+    def clamp_timeout(self, requested: float | None) -> float:
+        if requested is None or requested <= 0:
+            return self.default_run_timeout_s
+        return min(float(requested), self.max_run_timeout_s)
+
+    def clamp_memory(self, requested_mb: int | None) -> int:
+        if requested_mb is None or requested_mb <= 0:
+            return self.default_memory_mb
+        return min(int(requested_mb), self.max_memory_mb)

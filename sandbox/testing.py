@@ -1,0 +1,168 @@
+"""Helpers to run a real sandbox server in a subprocess and to look for processes it left behind.
+
+Used by tests/test_sandbox*.py and bench/bench_sandbox.py: `ServerProcess` starts
+`python -m sandbox serve` on a free loopback port and waits for /health by polling; `leftovers` lists
+processes running under the sandbox's uids (runs and sessions) and the service's process count, so a test
+can wait until every run's processes are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import TracebackType
+
+import httpx
+
+from sandbox.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    children = {int(p) for p in f.read().split()}
+                stack.extend(children - found)
+                found |= children
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def _status(pid: str) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def sandbox_uid_processes(uid_base: int = Settings().uid_base) -> list[str]:
+    """Processes a run or session started: a sandbox uid (inside uid >= 1000) whose parent is not a
+    zygote. (The zygote's own children, one waiting for the next run per worker, and live sessions, are
+    the service's; `ServerProcess.leftovers` counts them through the process-tree size instead.)"""
+    found = []
+    for entry in os.listdir("/proc"):
+        status = _status(entry) if entry.isdigit() else None
+        if status is None:
+            continue
+        uid = int(status["Uid"].split()[0])
+        if not uid_base + 1000 <= uid < uid_base + 65536:
+            continue
+        parent = _status(status["PPid"].strip())
+        if parent is not None and int(parent["Uid"].split()[0]) == uid_base:
+            continue  # a zygote's direct child: a run's PID 1, a prepared child or a session
+        found.append(f"pid {entry} uid {uid - uid_base} {status['Name'].strip()} {status['State'].strip()}")
+    return found
+
+
+class ServerProcess:
+    """`with ServerProcess("--workers", "2") as server: httpx.post(server.url + "/run_code", ...)`."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, token: str | None = None,
+                 startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token
+        self.args = [*args, *(["--token", token] if token else [])]
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.baseline = 0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def __enter__(self) -> ServerProcess:
+        command = [sys.executable, "-m", "sandbox", "serve", "--port", str(self.port), *self.args]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sandbox-{self.port}.log"), "w+b")
+        self.proc = subprocess.Popen(command, cwd=root, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_http(self.url + "/health", self.proc, self.startup_timeout)
+        except RuntimeError as e:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"{e}\n{self.log_tail()}") from None
+        self.baseline = self.settled_process_count()
+        return self
+
+    @staticmethod
+    def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+        """Poll `url` until it answers 200 (readiness polling); fail if `proc` exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited during startup (status {proc.returncode})")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready within {timeout} s")
+
+    def settled_process_count(self, timeout: float = 10.0) -> int:
+        """The service's process count once it stops changing (spare children being re-forked)."""
+        assert self.proc is not None
+        last, stable_since = -1, time.monotonic()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            count = len(descendants(self.proc.pid))
+            if count != last:
+                last, stable_since = count, time.monotonic()
+            elif time.monotonic() - stable_since > 0.3:
+                break
+            time.sleep(0.05)
+        return last
+
+    def leftovers(self, timeout: float = 15.0) -> list[str]:
+        """Wait until every worker is idle again (its zygote reaped the last run), no process started by
+        a run remains and the process tree is back to its idle size; what is left after `timeout` is
+        returned (empty: clean)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            health = httpx.get(self.url + "/health", timeout=10).json()
+            busy = health.get("alive", 0) - health.get("idle", 0)
+            stray = sandbox_uid_processes()
+            extra = len(descendants(self.proc.pid)) - self.baseline
+            if not stray and extra <= 0 and busy <= 0:
+                return []
+            if time.monotonic() > deadline:
+                return stray + [f"{extra} more processes under the service than when idle"] * (extra > 0) + [
+                    f"{busy} workers still busy"] * (busy > 0)
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-n:]
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        clean = False
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                clean = self.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if clean and exc_type is None:  # keep the log of a server that failed, for the post-mortem
+            os.unlink(self.log.name)

@@ -1,0 +1,290 @@
+"""The zygote: a pre-started, pre-confined Python that forks one child per run (or per session).
+
+pool.py starts it as `python -c "from sandbox.zygote import main; main()" CTL_FD SERVER_PID` with a
+scrubbed environment. Two processes result:
+
+* the launcher (host PID namespace) enters new user, mount, network, IPC, UTS and PID namespaces,
+  captures host handles with the host credentials it still carries (rootfs.HostSnapshot), lets the server
+  write its uid/gid maps (or writes a single-uid map itself when the server is not root), forks the
+  zygote and waits for it;
+* the zygote is PID 1 of that PID namespace: it becomes root of its user namespace, builds and pivots
+  into the read-only root (rootfs.build_root), forbids nested user namespaces, pre-imports
+  math/numpy/sympy, freezes the GC, then serves control messages. A run worker keeps one child
+  (child.py, PID 1 of a fresh nested PID namespace) forked and prepared ahead; "run" hands it the run's
+  descriptors and starts its deadline, and the next child is forked once that one has been reaped. The
+  sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's exit is
+  reported with its status, whether it hit its deadline, and its wall time.
+
+The zygote never reads a run's code, input or output (they go straight between the server and the
+child), so nothing of one run stays in the memory that later runs are forked from. If the launcher or the
+zygote dies, PR_SET_PDEATHSIG and PID-namespace teardown kill every process below it.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from sandbox import child, libc  # child: imported now, its file is not visible after pivot_root
+from sandbox.rootfs import HostSnapshot, RootSpec, build_root
+from sandbox.wire import recv_msg, send_msg
+
+ZYGOTE_NAMESPACES = (
+    libc.CLONE_NEWUSER | libc.CLONE_NEWNS | libc.CLONE_NEWNET | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS
+    | libc.CLONE_NEWPID
+)
+
+
+def main() -> NoReturn:
+    """The launcher's entry point."""
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(sys.argv[2]):  # the server died before we could arm PDEATHSIG
+        os._exit(1)
+    try:
+        config, _ = recv_msg(ctl)
+        if config is None:
+            os._exit(1)
+        host_uid, host_gid = os.getuid(), os.getgid()
+        libc.unshare(ZYGOTE_NAMESPACES)
+        # Captured inside the new mount namespace (a bind source must belong to it) but with the host
+        # credentials we still carry, which can traverse paths such as a 0700 /root.
+        snap = HostSnapshot.capture(RootSpec(**config["root"]))
+        send_msg(ctl, {"op": "unshared"})
+        reply, _ = recv_msg(ctl)
+        if reply is None:
+            os._exit(1)
+        if config["map_self"]:  # unprivileged server: only our own uid can be mapped (to 0 inside)
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {host_uid} 1"),
+                               ("gid_map", f"0 {host_gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        pid = os.fork()
+        if pid == 0:
+            _zygote_main(ctl, config, snap)
+    except BaseException as e:  # noqa: BLE001 - anything here is a startup failure the server must see
+        _startup_failed(ctl, e)
+    ctl.close()
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _startup_failed(ctl: socket.socket, exc: BaseException) -> NoReturn:
+    message = f"{type(exc).__name__}: {exc}"
+    try:
+        send_msg(ctl, {"op": "failed", "message": message, "trace": traceback.format_exc()[-4000:]})
+    finally:
+        os._exit(1)
+
+
+def _zygote_main(ctl: socket.socket, config: dict[str, Any], snap: HostSnapshot) -> NoReturn:
+    try:
+        if not config["map_self"]:
+            os.setgroups([])
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid: credential changes clear it
+        libc.prctl(libc.PR_SET_DUMPABLE, 1)  # likewise reset by setresuid; /proc/self/* must stay ours
+        socket.sethostname(snap.spec.hostname)
+        build_root(snap)
+        # Runs may not create user namespaces of their own: no capabilities regained inside a nested
+        # namespace, and much less kernel surface to probe. (The limit is per user namespace: ours.)
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:
+            f.write("0")
+        missing = []
+        for name in config["preload"]:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:  # serve without it; programs importing it pay the import
+                missing.append(f"{name}: {e}")
+        for snippet in config.get("warmup", []):
+            try:
+                exec(snippet, {})  # first calls that pull in lazily imported submodules (sympy's printers)
+            except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a requirement
+                missing.append(f"warm-up failed: {e}")
+        child.locate_numpy_state()
+        gc.collect()
+        gc.freeze()  # forked children then never touch (copy) the pages of these objects for GC
+        send_msg(ctl, {"op": "ready", "missing": missing})
+    except BaseException as e:  # noqa: BLE001
+        _startup_failed(ctl, e)
+    _Zygote(ctl, config["child"], config["prefork"]).serve()
+
+
+@dataclass
+class _Child:
+    pid: int
+    channel: socket.socket | None  # our end, until the run's descriptors are handed over
+    key: int = 0  # names a prepared child to the server, which may hand it a run directly
+    id: str | None = None  # None: forked ahead of time, waiting for a run
+    started: float = 0.0
+    deadline: float | None = None
+    timed_out: bool = False
+    killed: bool = False
+
+
+class _Zygote:
+    def __init__(self, ctl: socket.socket, static: dict[str, Any], prefork: bool) -> None:
+        self.ctl = ctl
+        self.static = static
+        self.prefork = prefork
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl, selectors.EVENT_READ)
+        self.children: dict[int, _Child] = {}  # pidfd -> child
+        self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.spare: _Child | None = None
+        self.spare_failures = 0
+        self.keys = 0
+        self.unclaimed: dict[int, int] = {}  # key -> exit status of prepared children that died
+        self._replenish()
+
+    def serve(self) -> NoReturn:
+        while True:
+            deadlines = [c.deadline for c in self.children.values() if c.deadline is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            # Control first: a "run" naming a prepared child must be seen before that child's exit.
+            for key, _ in sorted(self.sel.select(timeout), key=lambda event: event[0].fileobj is not self.ctl):
+                if key.fileobj is self.ctl:
+                    self._on_control()
+                else:
+                    self._on_exit(key.fd)
+            now = time.monotonic()
+            for c in self.children.values():
+                if c.deadline is not None and now >= c.deadline:
+                    c.deadline, c.timed_out = None, True
+                    os.kill(c.pid, signal.SIGKILL)  # PID 1 of its namespace: takes all of it along
+
+    def _replenish(self) -> None:
+        """Fork the next run's child now, so that its preparation is off the next request's path."""
+        if self.prefork and self.spare is None and self.spare_failures < 3:
+            try:
+                self.spare = self._fork()
+            except OSError:
+                self.spare_failures += 1
+                return
+            # The server may hand the run straight to the child, keeping us off the request's path.
+            assert self.spare.channel is not None
+            send_msg(self.ctl, {"op": "spare", "key": self.spare.key}, [self.spare.channel.fileno()])
+
+    def _fork(self) -> _Child:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        channels = [c.channel.fileno() for c in self.children.values() if c.channel is not None]
+        inherited = [self.ctl.fileno(), self.sel.fileno(), self.own_pidns, *self.children, *channels,
+                     ours.fileno()]
+        libc.unshare(libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
+        try:
+            pid = os.fork()
+        except OSError:
+            libc.setns(self.own_pidns, libc.CLONE_NEWPID)
+            ours.close()
+            theirs.close()
+            raise
+        if pid == 0:
+            try:  # never return into the zygote's loop, whatever the program did to the interpreter
+                child.main(self.static, theirs.fileno(), inherited)
+            finally:
+                os._exit(child.SETUP_FAILED)
+        libc.setns(self.own_pidns, libc.CLONE_NEWPID)
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.keys += 1
+        new = self.children[pidfd] = _Child(pid, ours, self.keys)
+        self.sel.register(pidfd, selectors.EVENT_READ)
+        return new
+
+    def _on_control(self) -> None:
+        msg, fds = recv_msg(self.ctl)
+        if msg is None:  # the server is gone; as PID 1 our exit kills every child
+            os._exit(0)
+        op = msg["op"]
+        if op in ("run", "session"):
+            self._start(msg, fds)
+            return
+        target = next((c for c in self.children.values() if c.id == msg["id"]), None)
+        if target is None:
+            return  # already exited; its exit message is on its way
+        if op == "kill":
+            target.killed = True
+            os.kill(target.pid, signal.SIGKILL)
+        elif op == "signal":
+            os.kill(target.pid, int(msg["signal"]))
+
+    def _start(self, msg: dict[str, Any], fds: list[int]) -> None:
+        if "spare" in msg:  # the server already gave the run to that prepared child
+            self._claimed(msg)
+            return
+        try:
+            c = self.spare or self._fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            send_msg(self.ctl, {"op": "exit", "id": msg["id"], "code": None, "error": f"fork failed: {e}"})
+            return
+        if c is self.spare:  # the server may hold its channel too: it must not use it any more
+            send_msg(self.ctl, {"op": "spare_gone", "key": c.key})
+        self.spare = None
+        timeout = msg.get("timeout")
+        c.id, c.started = msg["id"], time.monotonic()
+        c.deadline = c.started + timeout if timeout else None
+        assert c.channel is not None
+        try:
+            send_msg(c.channel, msg, fds)
+        except OSError:
+            pass  # the child died preparing; its exit (reported below) fails the run
+        for fd in fds:
+            os.close(fd)
+        c.channel.close()
+        c.channel = None
+
+    def _claimed(self, msg: dict[str, Any]) -> None:
+        c = next((c for c in self.children.values() if c.key == msg["spare"] and c.id is None), None)
+        if c is None:  # it exited before this notice arrived: its status is the run's
+            code = self.unclaimed.pop(msg["spare"], None)
+            send_msg(self.ctl, {"op": "exit", "id": msg["id"], "code": code, "timed_out": False,
+                                "killed": False, "elapsed": 0.0,
+                                **({"error": "the prepared child was lost"} if code is None else {})})
+            return
+        if c is self.spare:
+            self.spare = None
+        timeout = msg.get("timeout")
+        c.id, c.started = msg["id"], time.monotonic()
+        c.deadline = c.started + timeout if timeout else None
+        if c.channel is not None:
+            c.channel.close()
+            c.channel = None
+
+    def _on_exit(self, pidfd: int) -> None:
+        c = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(c.pid, 0)
+        if c.channel is not None:
+            c.channel.close()
+        if c.id is None:  # unclaimed: its preparation failed, or its run's notice is still to come
+            if c is self.spare:
+                self.spare = None
+            self.spare_failures += 1
+            self.unclaimed[c.key] = os.waitstatus_to_exitcode(status)
+            while len(self.unclaimed) > 16:
+                self.unclaimed.pop(next(iter(self.unclaimed)))
+            send_msg(self.ctl, {"op": "spare_gone", "key": c.key})
+        else:
+            send_msg(self.ctl, {
+                "op": "exit",
+                "id": c.id,
+                "code": os.waitstatus_to_exitcode(status),
+                "timed_out": c.timed_out,
+                "killed": c.killed,
+                "elapsed": time.monotonic() - c.started,
+            })
+            self.spare_failures = 0
+        self._replenish()

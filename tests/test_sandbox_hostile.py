@@ -1,0 +1,213 @@
+"""Hostile programs against the real sandbox over loopback HTTP.
+
+Each must be contained (the assertion on its own result), leave no process behind (no process under a
+run uid, the service's process tree back to its idle size: `ServerProcess.leftovers`) and leave the
+service answering `print(1+1)`. Correctness and bad input are in test_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import sys
+import uuid
+
+import httpx
+import pytest
+
+from sandbox.testing import ServerProcess
+
+SECRET = f"s3cret-{uuid.uuid4().hex}"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ServerProcess:
+    host_secret = tmp_path_factory.mktemp("host") / "secret.txt"
+    host_secret.write_text(SECRET)
+    env = {"AGENTRL_TEST_SECRET": SECRET, "AGENTRL_SECRET_FILE": str(host_secret)}
+    with ServerProcess("--workers", "3", "--max-sessions", "0", "--max-output-bytes", "65536",
+                       "--disk-mb", "64", "--max-processes", "32", env=env) as s:
+        s.secret_file = str(host_secret)
+        yield s
+
+
+def run(server: ServerProcess, code: str, language: str = "python", **fields) -> dict:
+    body = {"code": code, "language": language, "run_timeout": fields.pop("run_timeout", 5), **fields}
+    response = httpx.post(server.url + "/run_code", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture
+def contained(server):
+    """After the test: nothing left running, and the service still serves normal requests."""
+    yield
+    assert server.leftovers() == []
+    assert run(server, "print(1+1)")["run_result"]["stdout"] == "2\n"
+
+
+def out(body: dict) -> str:
+    return body["run_result"]["stdout"]
+
+
+def test_fork_bomb(server, contained):
+    body = run(server, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+               run_timeout=2)
+    assert body["run_result"]["status"] == "TimeLimitExceeded"
+    body = run(server, ":(){ :|:& };:", language="bash", run_timeout=2)
+    assert body["run_result"]["status"] in ("TimeLimitExceeded", "Finished")
+
+
+def test_memory_bomb(server, contained):
+    body = run(server, "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))",
+               memory_limit_MB=256)
+    assert body["run_result"]["return_code"] == 1 and "MemoryError" in body["run_result"]["stderr"]
+    # Several processes each under their own address-space limit: the cgroup caps their sum.
+    code = ("import os\nfor _ in range(8):\n    if os.fork() == 0:\n        b = bytearray(200 * 1024 * 1024)\n"
+            "        for i in range(0, len(b), 4096): b[i] = 1\n        os._exit(0)\n"
+            "while True:\n    try: os.wait()\n    except ChildProcessError: break\nprint('survived')")
+    body = run(server, code, memory_limit_MB=256, run_timeout=20)
+    assert body["run_result"]["status"] in ("Finished", "TimeLimitExceeded")
+
+
+def test_infinite_loop(server, contained):
+    body = run(server, "while True: pass", run_timeout=1)
+    assert body["status"] == "Failed" and body["run_result"]["status"] == "TimeLimitExceeded"
+
+
+def test_hundred_megabytes_of_output(server, contained):
+    body = run(server, "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)",
+               run_timeout=30)
+    stdout = out(body)
+    assert len(stdout) < 70000 and "output truncated: 104857600 bytes written" in stdout
+    body = run(server, "yes | head -c 100000000", language="bash", run_timeout=30)
+    assert "output truncated: 100000000 bytes written" in out(body)
+
+
+def test_writing_outside_the_working_dir(server, contained):
+    targets = ["/etc/passwd", "/usr/evil", "/root/evil", "/evil", f"{REPO}/evil", "/proc/sys/kernel/hostname",
+               "/dev/evil", os.path.dirname(server.secret_file) + "/evil"]
+    code = (f"import json\nresults = {{}}\nfor path in {targets!r}:\n    try:\n        open(path, 'a').write('x')\n"
+            "        results[path] = 'written'\n    except OSError as e:\n        results[path] = type(e).__name__\n"
+            "print(json.dumps(results))")
+    results = json.loads(out(run(server, code)))
+    assert "written" not in results.values(), results
+    for path in targets[1:]:
+        assert not os.path.exists(path) or path.startswith("/proc"), path
+    body = run(server, "echo x > /usr/evil; echo x > /etc/evil; touch /evil; echo done", language="bash")
+    assert out(body) == "done\n" and body["run_result"]["stderr"].count("Read-only file system") == 3
+
+
+def test_reading_secrets(server, contained):
+    code = f"""
+import glob, os
+hits = []
+for path in ['/etc/shadow', '/etc/gshadow', {REPO + '/pyproject.toml'!r}, {REPO + '/sandbox/server.py'!r},
+             {server.secret_file!r}, '/root/.bash_history', '/etc/ssl/private']:
+    print(path, os.path.exists(path))
+for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline'):
+    try:
+        if {SECRET!r}.encode() in open(path, 'rb').read():
+            hits.append(path)
+    except OSError:
+        pass
+skip = {{'/proc', '/usr', '/sys', '/dev', {sys.prefix!r}, {sys.base_prefix!r}}}  # read-only installs
+for root, dirs, files in os.walk('/', onerror=lambda e: None):
+    dirs[:] = [d for d in dirs if os.path.join(root, d) not in skip]
+    for name in files:
+        try:
+            if {SECRET!r}.encode() in open(os.path.join(root, name), 'rb').read(1 << 20):
+                hits.append(os.path.join(root, name))
+        except OSError:
+            pass
+print('hits', hits, {SECRET!r} in str(os.environ), sorted(os.listdir('/proc'))[:3], os.listdir({REPO!r}))
+"""
+    lines = out(run(server, code, run_timeout=30)).splitlines()
+    assert all(line.endswith(" False") for line in lines[:-1]), lines
+    assert lines[-1] == "hits [] False ['1', 'acpi', 'buddyinfo'] ['.venv']", lines[-1]
+
+
+def test_network_is_unreachable(server, contained):
+    code = f"""
+import socket
+for address in [('127.0.0.1', {server.port}), ('8.8.8.8', 53), ('1.1.1.1', 443), ('::1', {server.port})]:
+    try:
+        socket.create_connection(address, timeout=2)
+        print(address, 'connected')
+    except OSError as e:
+        print(address, 'refused', e.errno)
+try:
+    socket.getaddrinfo('example.com', 80)
+    print('dns resolved')
+except OSError as e:
+    print('dns refused', e.errno)
+"""
+    lines = out(run(server, code, run_timeout=20)).splitlines()
+    assert len(lines) == 5 and all(" refused " in line for line in lines), lines
+
+
+def test_killing_everything(server, contained):
+    body = run(server, "import os, signal\nos.kill(1, signal.SIGKILL)\nprint('still here')")
+    assert body["run_result"]["status"] in ("Finished", "TimeLimitExceeded")
+    body = run(server, "kill -9 -1; echo after $?", language="bash")
+    assert body["run_result"]["status"] == "Finished"
+    body = run(server, "import os, signal\nfor pid in range(1, 400):\n    try: os.kill(pid, signal.SIGKILL)\n"
+                       "    except OSError: pass\nprint('done')")
+    assert body["run_result"]["status"] == "Finished"
+
+
+def test_no_privileges_inside(server, contained):
+    code = ("import os\nstatus = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines())\n"
+            "print(os.getuid() >= 1000, status['CapEff'].strip(), status['CapBnd'].strip(), status['NoNewPrivs'])\n"
+            "for step in (lambda: os.setuid(0), lambda: os.chroot('/tmp'), lambda: os.mknod('/tmp/dev', 0o20600, os.makedev(1, 3))):\n"
+            "    try:\n        step()\n        print('allowed')\n    except OSError as e:\n        print(e.errno)")
+    assert out(run(server, code)) == "True 0000000000000000 000001ffffffffff 1\n1\n1\n1\n"
+    body = run(server, "unshare -U true || echo no-userns; unshare -m true || echo no-mountns; "
+                       "mount -t tmpfs none /tmp/work 2>/dev/null || echo no-mount", language="bash")
+    assert out(body) == "no-userns\nno-mountns\nno-mount\n"
+
+
+def test_filling_the_disk(server, contained):
+    # Files each under RLIMIT_FSIZE, together over the tmpfs size: ENOSPC (28), not the host's disk.
+    code = ("import os\nwritten = 0\ntry:\n    for n in range(100):\n        with open(f'fill{n}', 'wb') as f:\n"
+            "            for _ in range(8):\n                f.write(b'x' * (1 << 20)); f.flush(); written += 1\n"
+            "except OSError as e:\n    print(e.errno, written <= 64)")
+    assert out(run(server, code, run_timeout=20)) == "28 True\n"
+    body = run(server, "head -c 500000000 /dev/zero > /tmp/big; echo rc=$?; stat -c %s /tmp/big",
+               language="bash", run_timeout=20)
+    rc, size = out(body).split()
+    assert rc != "rc=0" and int(size) <= 64 << 20  # stopped by RLIMIT_FSIZE (SIGXFSZ) or the tmpfs size
+
+
+def test_daemon_does_not_outlive_its_run(server, contained):
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        time.sleep(120)\n    os._exit(0)\nprint('parent done')")
+    assert out(run(server, code)) == "parent done\n"
+    assert out(run(server, "nohup sleep 120 >/dev/null 2>&1 & disown; echo bye", language="bash")) == "bye\n"
+
+
+def test_runs_cannot_read_each_others_files(server, contained):
+    writer = (f"import time\nopen('mine.txt', 'w').write({SECRET!r})\nopen('/tmp/mine2', 'w').write({SECRET!r})\n"
+              "time.sleep(3)\nprint('wrote')")
+    reader = f"""
+import glob, os, time
+found = set()
+end = time.time() + 3
+while time.time() < end:
+    for pattern in ['/tmp/**', '/proc/*/cwd/**', '/proc/*/root/tmp/**', '/dev/shm/**']:
+        for path in glob.glob(pattern, recursive=True):
+            try:
+                if os.path.isfile(path) and {SECRET!r} in open(path, errors='ignore').read():
+                    found.add(path)
+            except OSError:
+                pass
+    time.sleep(0.05)
+print('found', sorted(found))
+"""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(run, server, writer, run_timeout=10)
+        second = pool.submit(run, server, reader, run_timeout=10)
+        assert out(first.result()) == "wrote\n"
+        assert out(second.result()) == "found []\n"

@@ -1,0 +1,195 @@
+"""Sessions, overload, client disconnects, a crashed worker and the `python` tool client
+(agentrl/tools/code.py), against a real sandbox server on loopback. The server here has one worker and a
+queue of one, so overload is easy to provoke, and a one-second idle timeout for sessions. The client's
+retry logic is also checked against httpx.MockTransport doubles that answer like a SandboxFusion server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from agentrl.tools.code import CodeTool
+from agentrl.types import ToolCall
+from sandbox.testing import ServerProcess, descendants, free_port
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    with ServerProcess("--workers", "1", "--max-queue", "1", "--max-sessions", "3", "--session-idle", "1",
+                       "--disk-mb", "64") as s:
+        yield s
+
+
+def call(server: ServerProcess, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=60, **kw)
+
+
+def session_run(server: ServerProcess, sid: str, code: str, **fields) -> dict:
+    response = call(server, "POST", f"/sessions/{sid}/run_code", json={"code": code, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_session_keeps_state_across_calls(server):
+    created = call(server, "POST", "/sessions", json={})
+    assert created.status_code == 201
+    sid = created.json()["session_id"]
+    first = session_run(server, sid, "import numpy as np\nx = np.arange(4)\nprint('set')")
+    assert first["status"] == "Success" and first["run_result"]["stdout"] == "set\n"
+    second = session_run(server, sid, "print(int(x.sum()))\nimport sys\nprint('e', file=sys.stderr)")
+    assert (second["run_result"]["stdout"], second["run_result"]["stderr"]) == ("6\n", "e\n")
+    broken = session_run(server, sid, "x = x * 2\nraise ValueError('boom')")
+    assert broken["status"] == "Failed" and "ValueError: boom" in broken["run_result"]["stderr"]
+    assert session_run(server, sid, "print(x.tolist())")["run_result"]["stdout"] == "[0, 2, 4, 6]\n"
+    slow = session_run(server, sid, "import time\nwhile True: time.sleep(0.01)", run_timeout=0.5)
+    assert slow["run_result"]["status"] == "TimeLimitExceeded" and "kept its state" in slow["message"]
+    assert session_run(server, sid, "print(len(x))")["run_result"]["stdout"] == "4\n"
+    assert call(server, "DELETE", f"/sessions/{sid}").status_code == 204
+    assert call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1"}).status_code == 404
+    assert server.leftovers() == []
+
+
+def test_session_that_ignores_the_interrupt_is_closed(server):
+    sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
+    body = session_run(server, sid, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                    "while True: pass", run_timeout=0.5)
+    assert body["run_result"]["status"] == "TimeLimitExceeded" and "closed" in body["message"]
+    assert call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1"}).status_code == 404
+    assert server.leftovers() == []
+
+
+def test_sessions_are_isolated_capped_and_expire(server):
+    ids = [call(server, "POST", "/sessions", json={"idle_timeout": 30}).json()["session_id"] for _ in range(3)]
+    over = call(server, "POST", "/sessions", json={})
+    assert over.status_code == 429 and "Retry-After" in over.headers
+    session_run(server, ids[0], "open('mine.txt', 'w').write('a')\nimport os\nuid = os.getuid()")
+    probe = session_run(server, ids[1], "import os, glob\nprint(os.getuid(), os.listdir('.'), "
+                                        "glob.glob('/proc/*/cwd/*'))")
+    uid, listing = probe["run_result"]["stdout"].split(" ", 1)
+    assert listing == "[] []\n"
+    assert session_run(server, ids[0], "print(uid)")["run_result"]["stdout"].strip() != uid
+    for sid in ids:
+        assert call(server, "DELETE", f"/sessions/{sid}").status_code == 204
+    short = call(server, "POST", "/sessions", json={"idle_timeout": 0.5}).json()["session_id"]
+    deadline = time.monotonic() + 20
+    while short in call(server, "GET", "/sessions").json()["session_ids"]:  # idle expiry
+        assert time.monotonic() < deadline, "idle session was not closed"
+        time.sleep(0.1)
+    assert server.leftovers() == []
+
+
+def test_overload_answers_503(server):
+    body = {"code": "import time\ntime.sleep(3)", "language": "python"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(call, server, "POST", "/run_code", json=body) for _ in range(4)]
+        codes = sorted(f.result().status_code for f in futures)
+    assert codes.count(200) >= 1 and 503 in codes
+    refused = next(f.result() for f in futures if f.result().status_code == 503)
+    assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["detail"]
+    assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
+
+
+def test_client_disconnect_kills_the_run(server):
+    code = "import os, time\nos.fork()\ntime.sleep(60)"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/run_code", json={"code": code, "language": "python", "run_timeout": 60},
+                   timeout=1.5)
+    assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
+    body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
+    assert body["run_result"]["stdout"] == "2\n"
+
+
+def test_a_dead_worker_is_replaced(server):
+    launchers = [pid for pid in descendants(server.proc.pid)
+                 if _parent(pid) == server.proc.pid and os.stat(f"/proc/{pid}").st_uid == 0]
+    os.kill(launchers[0], signal.SIGKILL)  # takes its zygote and prepared child along
+    deadline = time.monotonic() + 60
+    while call(server, "GET", "/health").json()["alive"] < call(server, "GET", "/health").json()["workers"] or (
+            launchers[0] in descendants(server.proc.pid)):
+        assert time.monotonic() < deadline, "the worker was not replaced"
+        time.sleep(0.1)
+    body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
+    assert body["run_result"]["stdout"] == "2\n"
+    assert server.leftovers() == []
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def tool_result(tool: CodeTool, code: str):
+    async def go():
+        try:
+            return await tool.call(ToolCall("python", {"code": code}))
+        finally:
+            await tool.aclose()
+
+    return asyncio.run(go())
+
+
+def test_code_tool_against_the_server(server):
+    ok = tool_result(CodeTool(server.url), "print(6 * 7)")
+    assert ok.ok and ok.text == "42\n" and ok.metadata["return_code"] == 0
+    failed = tool_result(CodeTool(server.url), "print('partial')\n1/0")
+    assert failed.error == "execution_error" and failed.text.startswith("partial\nTraceback")
+    assert failed.metadata["stderr"].endswith("ZeroDivisionError: division by zero\n")
+    slow = tool_result(CodeTool(server.url, run_timeout=0.5), "while True: pass")
+    assert slow.error == "timeout" and "Timeout" in slow.text
+    refused = tool_result(CodeTool(server.url, language="cpp"), "int main() {}")
+    assert refused.error == "http_400" and "not supported" in refused.text
+
+    async def with_session():
+        tool = CodeTool(server.url)
+        async with tool.session() as session:
+            await session.call(ToolCall("python", {"code": "y = 5"}))
+            result = await session.call(ToolCall("python", {"code": "print(y + 1)"}))
+        await tool.aclose()
+        return result
+
+    assert asyncio.run(with_session()).text == "6\n"
+
+
+def test_code_tool_connection_error_is_bounded():
+    port = free_port()  # nothing listens here
+    result = tool_result(CodeTool(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01), "print(1)")
+    assert result.error == "connection" and result.metadata["attempts"] == 3
+
+
+def mock_tool(responses: list[httpx.Response]) -> tuple[CodeTool, list[dict]]:
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return responses[min(len(seen), len(responses)) - 1]
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return CodeTool("http://sandbox", client=client, backoff_s=0.01, max_retries=3), seen
+
+
+def test_code_tool_retries_5xx_and_maps_sandbox_fusion_answers():
+    fusion_ok = {"status": "Success", "message": "", "compile_result": None, "executor_pod_name": "pod-1",
+                 "run_result": {"status": "Finished", "execution_time": 0.02, "return_code": 0,
+                                "stdout": "2\n", "stderr": ""}, "files": {}}
+    tool, seen = mock_tool([httpx.Response(503, headers={"Retry-After": "0"}), httpx.Response(502),
+                            httpx.Response(200, json=fusion_ok)])
+    result = tool_result(tool, "print(1+1)")
+    assert result.ok and result.text == "2\n" and result.metadata["attempts"] == 3
+    assert seen[0] == seen[2] and seen[0]["language"] == "python" and seen[0]["code"] == "print(1+1)"
+    tool, seen = mock_tool([httpx.Response(500)])
+    assert tool_result(tool, "x").error == "http_500" and len(seen) == 4  # 1 + max_retries
+    fusion_error = {"status": "SandboxError", "message": "runner crashed", "run_result": None, "files": {}}
+    tool, seen = mock_tool([httpx.Response(200, json=fusion_error)])
+    error = tool_result(tool, "x")
+    assert error.error == "sandbox_error" and "runner crashed" in error.text and len(seen) == 1
+    tool, _ = mock_tool([httpx.Response(422, json={"detail": [{"loc": ["body", "code"]}]})])
+    assert tool_result(tool, "x").error == "http_422"
+    assert asyncio.run(CodeTool("http://sandbox").call(ToolCall("python", {}))).error == "malformed"
