@@ -82,13 +82,18 @@ class OutputCapture:
             return
         except OSError:  # a reset socket: the child died with request bytes unread
             chunk = b""
+        self._keep(chunk)
+
+    def _keep(self, chunk: bytes) -> bool:
+        """Count `chunk`, keep what fits under the cap; an empty chunk (EOF) closes. False at EOF."""
         if not chunk:
             self.close()
-            return
+            return False
         self.total += len(chunk)
         room = self.cap - len(self.data)
         if room > 0:
             self.data += chunk[:room]
+        return True
 
     def drain(self) -> None:
         """Read what is already in the pipe (a session call's output before its reply)."""
@@ -97,13 +102,8 @@ class OutputCapture:
                 chunk = os.read(self.fd, 1 << 20)
             except BlockingIOError:
                 return
-            if not chunk:
-                self.close()
+            if not self._keep(chunk):
                 return
-            self.total += len(chunk)
-            room = self.cap - len(self.data)
-            if room > 0:
-                self.data += chunk[:room]
 
     def take(self) -> str:
         """The captured text (with a truncation marker), then start over for the next call."""
