@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from agentrl.config import StrictModel, atomic_write_text
-from agentrl.engine import Completion, Engine, Sampling, stop_completed_in_last_token
+from agentrl.engine import Completion, Engine, Sampling, completed_stop
 from agentrl.task import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
@@ -94,12 +94,7 @@ class TrajectoryBuilder:
         self.segments.append(Segment("model", list(c.token_ids), list(c.logprobs)))
         self.ids.extend(c.token_ids)
         text = self.tokenizer.decode(c.token_ids)
-        stop = None
-        if self.fmt.stop:
-            # Did the last token complete a stop string? Decode a tail window, not the turn again.
-            window = c.token_ids[-(max(map(len, self.fmt.stop)) + 8) :]
-            tail, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
-            stop = stop_completed_in_last_token(tail, before, self.fmt.stop)
+        stop = completed_stop(self.tokenizer, c.token_ids, self.fmt.stop)
         if stop is not None:  # parse up to the stop string; the last token may run past it
             text = text[: text.rfind(stop) + len(stop)]
         elif c.finish_reason == "length":

@@ -14,7 +14,7 @@ AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
@@ -67,3 +67,13 @@ def stop_completed_in_last_token(text: str, text_before_last: str, stops: Iterab
         if start >= 0 and (best is None or start < best[0]):
             best = (start, s)
     return best[1] if best else None
+
+
+def completed_stop(tokenizer: object, ids: Sequence[int], stops: Sequence[str]) -> str | None:
+    """The stop string that the last of `ids` completed, if any. Decodes only a tail window (a stop string
+    spans at most one token per character), so the check costs the same at token 3000 as at token 3."""
+    if not stops or not ids:
+        return None
+    window = list(ids[-(max(map(len, stops)) + 8) :])
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    return stop_completed_in_last_token(decode(window), decode(window[:-1]), stops)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engine import Completion, Sampling, stop_completed_in_last_token
+from agentrl.engine import Completion, Sampling, completed_stop
 
 
 @dataclass
@@ -86,10 +86,16 @@ class HFEngine:
     def _decode_batch(self, batch: list[_Request]) -> None:
         self.stats["batches"] += 1
         self.stats["requests"] += len(batch)
-        width = max(len(r.prompt_ids) for r in batch)
-        ids_BT = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask_BT = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):
+        for r in batch:
+            if r.sampling.max_tokens <= 0:
+                r.finish = "length"
+        active = [r for r in batch if r.finish is None]
+        if not active:
+            return
+        width = max(len(r.prompt_ids) for r in active)
+        ids_BT = torch.full((len(active), width), self.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros((len(active), width), dtype=torch.long)
+        for i, r in enumerate(active):
             ids_BT[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask_BT[i, width - len(r.prompt_ids) :] = 1
         ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
@@ -97,13 +103,6 @@ class HFEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        active = [r for r in batch if r.sampling.max_tokens > 0]
-        for r in batch:
-            if r.sampling.max_tokens <= 0:
-                r.finish = "length"
-        rows = [i for i, r in enumerate(batch) if r.sampling.max_tokens > 0]
-        if len(rows) < len(batch):
-            ids_BT, mask_BT, positions_BT = ids_BT[rows], mask_BT[rows], positions_BT[rows]
         while active:
             out = self.model(
                 input_ids=ids_BT, attention_mask=mask_BT, position_ids=positions_BT, use_cache=True, **{self._cache_kw: cache}
@@ -151,14 +150,8 @@ class HFEngine:
         r.logprobs.append(logprob)
         if token in self.eos_ids:
             r.finish = "eos"
-        elif r.sampling.stop:
-            # Decode a tail window only (a stop string spans at most one token per character), so the
-            # check costs the same at token 3000 as at token 3.
-            window = r.out_ids[-(max(map(len, r.sampling.stop)) + 8) :]
-            text, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
-            r.stop_str = stop_completed_in_last_token(text, before, r.sampling.stop)
-            if r.stop_str is not None:
-                r.finish = "stop"
+        elif (stop := completed_stop(self.tokenizer, r.out_ids, r.sampling.stop)) is not None:
+            r.stop_str, r.finish = stop, "stop"
         if r.finish is None and len(r.out_ids) >= r.sampling.max_tokens:
             r.finish = "length"
         return r.finish
