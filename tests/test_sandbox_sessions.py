@@ -108,8 +108,7 @@ def test_client_disconnect_kills_the_run(server):
 
 
 def test_a_dead_worker_is_replaced(server):
-    launchers = [pid for pid in descendants(server.proc.pid)
-                 if _parent(pid) == server.proc.pid and os.stat(f"/proc/{pid}").st_uid == 0]
+    launchers = [pid for pid in descendants(server.proc.pid) if _is_root_child_of(pid, server.proc.pid)]
     os.kill(launchers[0], signal.SIGKILL)  # takes its zygote and prepared child along
     deadline = time.monotonic() + 60
     while call(server, "GET", "/health").json()["alive"] < call(server, "GET", "/health").json()["workers"] or (
@@ -121,9 +120,15 @@ def test_a_dead_worker_is_replaced(server):
     assert server.leftovers() == []
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+def _is_root_child_of(pid: int, parent: int) -> bool:
+    """Whether `pid` is a root-owned child of `parent`; False for a process that exited meanwhile (the
+    listing also holds short-lived runs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        return ppid == parent and os.stat(f"/proc/{pid}").st_uid == 0
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def tool_result(tool: CodeTool, code: str):
