@@ -252,11 +252,63 @@ def profile(setup: Setup, step: Callable[[], object]) -> None:
 
     step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+    start = time.perf_counter()
     with torch_profile(activities=activities) as prof:
         step()
         sync(setup)
-    key = "cuda_time_total" if setup.device.type == "cuda" else "cpu_time_total"
-    setup.log(prof.key_averages().table(sort_by=key, row_limit=30))
+    wall = time.perf_counter() - start
+    key = "self_device_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
+    setup.log(prof.key_averages().table(sort_by=key, row_limit=40))
+    setup.log(f"profiled step wall time: {wall * 1e3:.1f} ms")
+    if setup.device.type == "cuda":
+        trace = "/tmp/agentrl_learner_trace.json"
+        prof.export_chrome_trace(trace)
+        setup.log(gpu_idle_by_phase(trace))
+
+
+def gpu_idle_by_phase(trace_path: str) -> str:
+    """From a chrome trace: per `agentrl.*` phase (record_function ranges in worker.py), its CPU time and
+    how much of it the GPU spent with no kernel or copy running."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy: list[list[float]] = []
+    for a, b in gpu:  # union of GPU activity
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+
+    def busy_within(a: float, b: float) -> float:
+        return sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy if y > a and x < b)
+
+    phases: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith("agentrl."):
+            span = phases.setdefault(e["name"], [0.0, 0.0, 0])
+            span[0] += e["dur"]
+            span[1] += e["dur"] - busy_within(e["ts"], e["ts"] + e["dur"])
+            span[2] += 1
+    lines = ["| phase | calls | CPU ms | GPU idle ms |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v[2]} | {v[0] / 1e3:.1f} | {v[1] / 1e3:.1f} |" for k, v in sorted(phases.items())]
+    # where each phase's CPU time goes: the outermost CPU ops (and annotations) inside it, by total time
+    cpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation",
+                                                                               "python_function")),
+                 key=lambda e: (e["ts"], -e["dur"]))
+    for phase in sorted(phases):
+        ranges = [(e["ts"], e["ts"] + e["dur"]) for e in cpu if e["name"] == phase]
+        top: dict[str, float] = {}
+        for a, b in ranges:
+            end = a
+            for e in cpu:
+                if e["ts"] >= a and e["ts"] + e["dur"] <= b and e["name"] != phase and e["ts"] >= end:
+                    top[e["name"]] = top.get(e["name"], 0.0) + e["dur"]
+                    end = e["ts"] + e["dur"]
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+        lines.append(f"{phase} top-level CPU: " + "; ".join(f"{k[:70]} {v / 1e3:.1f}" for k, v in ranked))
+    total = busy[-1][1] - busy[0][0] if busy else 0.0
+    lines.append(f"GPU busy {sum(b - a for a, b in busy) / 1e3:.1f} ms of {total / 1e3:.1f} ms from first to last kernel")
+    return "\n".join(lines)
 
 
 def main() -> None:

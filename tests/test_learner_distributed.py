@@ -35,19 +35,21 @@ def _step(worker: PolicyWorker, batch: Batch, advantages: torch.Tensor) -> tuple
     return worker.train_step(batch), old
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     trajs, advantages = _inputs()
     batch = pack(trajs, CONFIG.token_budget, world_size=world)[rank]
-    worker = PolicyWorker(CONFIG, ALGO, model=tiny_lm(seed=1))
+    assert len(batch.micro_batches) > 1  # gradient accumulation across micro-batches is part of the check
+    config = CONFIG.model_copy(update={"reshard_after_forward": reshard})
+    worker = PolicyWorker(config, ALGO, model=tiny_lm(seed=1))
     metrics, old = _step(worker, batch, advantages)
     state = dict(worker.state_for_sync())
     worker.save(str(Path(out) / "ckpt"), extra={"data_position": 7})
     second, _ = _step(worker, batch, advantages)
     after_second = dict(worker.state_for_sync())
-    resumed = PolicyWorker(CONFIG, ALGO, model=tiny_lm(seed=2))
+    resumed = PolicyWorker(config, ALGO, model=tiny_lm(seed=2))
     extra = resumed.load(str(Path(out) / "ckpt"))
     resumed_second, _ = _step(resumed, batch, advantages)
     resumed_state = dict(resumed.state_for_sync())
@@ -58,8 +60,10 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_equal_one_process_and_resume(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
+def test_two_ranks_equal_one_process_and_resume(tmp_path: Path, reshard: bool) -> None:
+    """Also with weights kept gathered across a step's micro-batches (reshard_after_forward=False)."""
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), reshard), nprocs=2, join=True)
     two = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     trajs, advantages = _inputs()

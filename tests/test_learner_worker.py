@@ -115,6 +115,12 @@ def test_nan_guard_skips_and_counts() -> None:
     metrics = worker.train_step(batch)
     assert metrics["actor/step_skipped"] == 0.0 and metrics["actor/skipped_steps"] == 1.0 and worker.steps == 1
     assert not all(torch.equal(t, before[n]) for n, t in worker.state_for_sync())
+    # the skipped step left no trace: moments, step counts and schedule are those of a fresh worker
+    fresh = PolicyWorker(_config(optim=OptimConfig(lr=1e-2)), AlgoConfig(), model=tiny_lm(seed=3))
+    fresh_metrics = fresh.train_step(batch)
+    assert fresh_metrics["actor/lr"] == metrics["actor/lr"]
+    expected = dict(fresh.state_for_sync())
+    assert all(torch.equal(t, expected[n]) for n, t in worker.state_for_sync())
 
 
 def test_state_for_sync_and_hf_export(tmp_path: Path) -> None:

@@ -58,10 +58,18 @@ class MicroBatch:
         return int(self.input_ids_T.shape[0])
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch on `device`. Host tensors bound for a GPU go through pinned memory, so the copy
+        is truly asynchronous: a copy from pageable memory would wait for the GPU's queue to drain first."""
+        device = torch.device(device)
+        pin = device.type == "cuda"
+
+        def move(v: Tensor) -> Tensor:
+            if pin and v.device.type == "cpu":
+                v = v.pin_memory()
+            return v.to(device, non_blocking=True)
+
         tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return dataclasses.replace(
-            self, **{k: v.to(device, non_blocking=True) for k, v in tensors.items() if isinstance(v, Tensor)}
-        )
+        return dataclasses.replace(self, **{k: move(v) for k, v in tensors.items() if isinstance(v, Tensor)})
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from agentrl.learner import checkpoint
 from agentrl.learner.attention import enable_packed_attention
@@ -80,7 +81,7 @@ class Worker:
             activation_checkpointing=config.activation_checkpointing and trainable,
             compile_blocks=config.compile,
         )
-        self.optimizer = build_optimizer(self.module.parameters(), config.optim, ctx.device) if trainable else None
+        self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
         self.steps = 0  # optimizer steps taken
         self.skipped_steps = 0  # steps the NaN/inf guard refused
@@ -103,7 +104,8 @@ class Worker:
         """Per-token outputs of `fn` over this rank's micro-batches -> the whole batch's response layout
         [B, R] on CPU, identical on every rank."""
         self._check(batch)
-        outs = [fn(mb.to(self.ctx.device)) for mb in batch.micro_batches]
+        micro_batches = [mb.to(self.ctx.device) for mb in batch.micro_batches]  # all copies queued up front
+        outs = [fn(mb) for mb in micro_batches]
         result = batch.gather(outs)
         reshard_all(self.module)
         if self.ctx.world_size > 1:
@@ -119,15 +121,24 @@ class Worker:
         self._check(batch)
         start = time.perf_counter()
         sums: dict[str, Tensor] = {}
-        last = len(batch.micro_batches) - 1
-        for i, mb in enumerate(batch.micro_batches):
+        micro_batches = [mb.to(self.ctx.device) for mb in batch.micro_batches]  # all copies queued up front
+        last = len(micro_batches) - 1
+        # With reshard_after_forward off, weights also stay gathered between the micro-batches of a step
+        # (no all-gather per micro-batch); the last backward frees them as usual.
+        keep_gathered = not self.config.reshard_after_forward
+        for i, mb in enumerate(micro_batches):
             self.module.set_requires_gradient_sync(i == last)
-            loss, stats = micro_loss(mb.to(self.ctx.device))
-            loss.backward()
+            if keep_gathered:
+                self.module.set_reshard_after_backward(i == last)
+            with record_function("agentrl.forward"):
+                loss, stats = micro_loss(mb)
+            with record_function("agentrl.backward"):
+                loss.backward()
             for k, v in stats.items():
                 sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule moves after it)
-        grad_norm, skipped = self._optimizer_step()
+        with record_function("agentrl.optimizer"):
+            grad_norm, skipped = self._optimizer_step()
         metrics = self._all_reduce(sums | {"tokens": torch.tensor(float(batch.num_tokens), device=self.ctx.device)})
         elapsed = time.perf_counter() - start
         tokens = metrics.pop("tokens")
@@ -140,22 +151,25 @@ class Worker:
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip by global grad norm and step, unless the norm is NaN/inf: then drop the gradients, leave
-        the weights, optimizer moments and schedule alone, and count the skip."""
+        the weights, optimizer moments and schedule alone, and count the skip. The fused AdamW kernel reads
+        the verdict from the device (`found_inf`, as under a grad scaler), so the step is queued before the
+        host waits for the norm: the GPU does not idle while the host decides."""
         assert self.optimizer is not None and self.scheduler is not None
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        norm_value = float(norm)
-        skipped = not torch.isfinite(norm).item()
+        found_inf = (~torch.isfinite(norm)).float()
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by the fused step
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        norm_value, skipped = float(norm), bool(found_inf.item())
         if skipped:
             self.skipped_steps += 1
         else:
-            self.optimizer.step()
             self.scheduler.step()
             self.steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         return norm_value, skipped
 
     def _all_reduce(self, values: dict[str, Tensor]) -> dict[str, float]:
