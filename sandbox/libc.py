@@ -33,6 +33,10 @@ MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 MNT_DETACH = 2
 
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25  # Linux 6.1+
+HUGE_PAGE = 2 << 20
+
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
@@ -83,6 +87,32 @@ def pivot_root(new_root: str, put_old: str) -> None:
 def prctl(option: int, arg: int = 0) -> None:
     zero = ctypes.c_ulong(0)
     _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), zero, zero, zero), f"prctl({option}, {arg})")
+
+
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def collapse_to_huge_pages() -> int:
+    """Back this process's anonymous memory with 2 MB pages where the kernel can (MADV_COLLAPSE, Linux
+    6.1+; elsewhere nothing happens). Returns the bytes collapsed.
+
+    For the zygote: fork copies, and exit tears down, one page-table entry per 4 KB page of the parent's
+    memory; collapsed, one entry covers 2 MB, so forking and reaping a child cost a fraction. A child's
+    write to a shared huge page splits it and copies only the 4 KB it touched, as before."""
+    done = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if fields[1] != "rw-p" or (len(fields) > 5 and fields[5] != "[heap]"):
+                continue  # private anonymous memory only: the heap and the allocator's arenas
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            lo, hi = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), end & ~(HUGE_PAGE - 1)
+            if hi - lo < HUGE_PAGE:
+                continue
+            _libc.madvise(lo, hi - lo, MADV_HUGEPAGE)  # best effort: a region may refuse either call
+            if _libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+                done += hi - lo
+    return done
 
 
 class _CapHeader(ctypes.Structure):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,8 @@ from sandbox.wire import encode_frame
 
 INTERRUPT_GRACE_S = 2.0
 
+
+log = logging.getLogger(__name__)
 
 class SessionError(Exception):
     def __init__(self, status: int, message: str) -> None:
@@ -67,11 +70,33 @@ class SessionManager:
         self._counter = 0
         self._reaper: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()
+        self._restart_lock = asyncio.Lock()
+        self._restarts: set[asyncio.Task[None]] = set()
 
     def _new_zygote(self, cgroups: CgroupSet | None) -> Zygote:
         s = self.settings
-        return Zygote("sessions", s.session_uid, s, cgroups, sessions=True,
-                      cgroup_memory_mb=s.sessions_memory_mb, cgroup_pids=s.max_sessions * s.max_processes)
+        zygote = Zygote("sessions", s.session_uid, s, cgroups, sessions=True,
+                        cgroup_memory_mb=s.sessions_memory_mb, cgroup_pids=s.max_sessions * s.max_processes)
+        zygote.on_death = self._on_death
+        return zygote
+
+    def _on_death(self, dead: Zygote) -> None:
+        """Replace the sessions' zygote as soon as it dies (its launcher reaped, no zombie left), so the
+        next session does not pay its start-up; `create` also restarts it if this has not finished."""
+        task = asyncio.create_task(self._ensure_zygote())
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _ensure_zygote(self) -> None:
+        async with self._restart_lock:
+            if self.zygote.alive:
+                return
+            await self.zygote.stop()
+            self.zygote = self._new_zygote(self.zygote.cgroups)
+            try:
+                await self.zygote.start(self.settings.preload)
+            except Exception as e:  # noqa: BLE001 - the next create tries again and reports the failure
+                log.error("restarting the sessions' zygote failed: %s", e)
 
     async def start(self) -> None:
         await self.zygote.start(self.settings.preload)
@@ -80,15 +105,17 @@ class SessionManager:
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for task in list(self._restarts):
+            task.cancel()
         for sid in list(self.sessions):
             await self.close(sid)
         await self.zygote.stop()
 
     async def create(self, memory_mb: int, idle_timeout: float | None) -> Session:
         if not self.zygote.alive:
-            await self.zygote.stop()
-            self.zygote = self._new_zygote(self.zygote.cgroups)
-            await self.zygote.start(self.settings.preload)
+            await self._ensure_zygote()
+            if not self.zygote.alive:
+                raise SessionError(503, "the sessions' sandbox worker could not be restarted")
         if len(self.sessions) >= self.settings.max_sessions:
             raise SessionError(429, f"{self.settings.max_sessions} sessions are open; close one first")
         sid = uuid.uuid4().hex

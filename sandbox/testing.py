@@ -96,8 +96,9 @@ class ServerProcess:
         try:
             self.wait_http(self.url + "/health", self.proc, self.startup_timeout)
         except RuntimeError as e:
+            tail = self.log_tail()
             self.__exit__(None, None, None)
-            raise RuntimeError(f"{e}\n{self.log_tail()}") from None
+            raise RuntimeError(f"{e}\n{tail}") from None
         self.baseline = self.settled_process_count()
         return self
 

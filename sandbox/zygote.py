@@ -114,6 +114,7 @@ def _zygote_main(ctl: socket.socket, config: dict[str, Any], snap: HostSnapshot)
         child.locate_numpy_state()
         gc.collect()
         gc.freeze()  # forked children then never touch (copy) the pages of these objects for GC
+        libc.collapse_to_huge_pages()  # fork and reap by 2 MB page-table entries, not 4 KB ones
         send_msg(ctl, {"op": "ready", "missing": missing})
     except BaseException as e:  # noqa: BLE001
         _startup_failed(ctl, e)

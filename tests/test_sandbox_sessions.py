@@ -108,15 +108,26 @@ def test_client_disconnect_kills_the_run(server):
 
 
 def test_a_dead_worker_is_replaced(server):
+    """Kill every worker's launcher (the run worker's and the sessions' zygote's): each takes its zygote
+    and prepared children along; both are replaced and the dead launchers reaped."""
     launchers = [pid for pid in descendants(server.proc.pid) if _is_root_child_of(pid, server.proc.pid)]
-    os.kill(launchers[0], signal.SIGKILL)  # takes its zygote and prepared child along
+    assert len(launchers) == 2  # one run worker (--workers 1) and the sessions' zygote
+    for pid in launchers:
+        os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while call(server, "GET", "/health").json()["alive"] < call(server, "GET", "/health").json()["workers"] or (
-            launchers[0] in descendants(server.proc.pid)):
-        assert time.monotonic() < deadline, "the worker was not replaced"
-        time.sleep(0.1)
+    while True:
+        health = call(server, "GET", "/health").json()
+        current = descendants(server.proc.pid)
+        fresh = [pid for pid in current if _is_root_child_of(pid, server.proc.pid)]
+        if health["alive"] == health["workers"] and len(fresh) == 2 and not set(launchers) & current:
+            break
+        assert time.monotonic() < deadline, f"workers not replaced: {health}, launchers {fresh} (killed {launchers})"
+        time.sleep(0.1)  # polling the service's own state
     body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
     assert body["run_result"]["stdout"] == "2\n"
+    sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
+    assert session_run(server, sid, "x = 6 * 7\nprint(x)")["run_result"]["stdout"] == "42\n"
+    call(server, "DELETE", f"/sessions/{sid}")
     assert server.leftovers() == []
 
 
