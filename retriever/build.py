@@ -48,6 +48,7 @@ class BuildConfig:
     max_length: int = 256
     batch_size: int | None = None
     device: str | None = None
+    precision: str = "auto"  # encoder compute dtype: encoder.resolve_precision
     shard_size: int = 16384
     skip_bad: bool = False
     restart: bool = False
@@ -99,10 +100,13 @@ def _content_params(cfg: BuildConfig, spec: EncoderSpec | None) -> dict[str, Any
     """What the shards depend on: a partial build resumes only under the same values."""
     if spec is None:
         return {"kind": "bm25", "stopwords": bm25.DEFAULT_STOPWORDS, "shard_size": cfg.shard_size}
+    from retriever.encoder import on_gpu, resolve_precision
+
     return {
         "kind": "dense", "encoder": spec.name, "fingerprint": spec.fingerprint, "pooling": spec.pooling,
         "query_prefix": spec.query_prefix, "passage_prefix": spec.passage_prefix,
         "max_length": spec.max_length, "shard_size": cfg.shard_size,
+        "precision": resolve_precision(cfg.precision, on_gpu(cfg.device)),
     }  # fmt: skip
 
 
@@ -196,7 +200,8 @@ def _encode_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state
     if spec is not None:
         from retriever.encoder import DenseEncoder
 
-        encoder = DenseEncoder(spec, device=cfg.device, batch_size=cfg.batch_size, threads=cfg.threads)
+        encoder = DenseEncoder(spec, device=cfg.device, batch_size=cfg.batch_size, threads=cfg.threads,
+                               precision=cfg.precision)
     tokenizer = None
     if spec is None:
         snapshot = work / VOCAB_SNAPSHOT

@@ -25,6 +25,8 @@ app = typer.Typer(
 Opt = typer.Option
 OptInt = Optional[int]  # noqa: UP045 - typer reads annotations at runtime on Python 3.10
 OptStr = Optional[str]  # noqa: UP045
+PRECISION_HELP = ("Encoder compute dtype: auto (fp16 on GPU, bf16 on CPUs with AMX / AVX512-BF16, else fp32) | "
+                  "float32 | bfloat16 | float16.")
 OptPath = Optional[Path]  # noqa: UP045
 
 
@@ -47,6 +49,7 @@ def build(
     max_length: Annotated[int, Opt(help="Max tokens per passage and query.")] = 256,
     batch_size: Annotated[OptInt, Opt(help="Encoder batch size (default 64 on CPU, 256 per GPU).")] = None,
     device: Annotated[OptStr, Opt(help="cpu | cuda | cuda:N (default: cuda when available).")] = None,
+    precision: Annotated[str, Opt(help=PRECISION_HELP)] = "auto",
     shard_size: Annotated[int, Opt(help="Passages per committed shard (the unit of resume).")] = 16384,
     skip_bad: Annotated[bool, Opt(help="Skip and count bad corpus lines instead of stopping.")] = False,
     restart: Annotated[bool, Opt(help="Discard an interrupted build instead of resuming it.")] = False,
@@ -92,7 +95,7 @@ def build(
             BuildConfig(
                 corpus=corpus, out=out, index_type=index, encoder=encoder, pooling=pooling, prefix_style=prefix_style,
                 query_prefix=query_prefix, passage_prefix=passage_prefix, max_length=max_length,
-                batch_size=batch_size, device=device, shard_size=shard_size, skip_bad=skip_bad, restart=restart,
+                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad, restart=restart,
                 overwrite=overwrite, keep_embeddings=keep_embeddings, use_gpu=gpu, threads=threads, index_params=params, k1=k1,
                 b=b, progress=not quiet,
             )
@@ -108,6 +111,7 @@ def serve(
     port: Annotated[int, Opt(help="TCP port.")] = 8000,
     encoder: Annotated[OptStr, Opt(help="Where the index's encoder lives on this machine, if moved.")] = None,
     device: Annotated[OptStr, Opt(help="Encoder device (default: cuda when available).")] = None,
+    precision: Annotated[str, Opt(help=PRECISION_HELP)] = "auto",
     gpu: Annotated[bool, Opt(help="Search on faiss-gpu when GPUs are present.")] = True,
     mmap: Annotated[bool, Opt(help="Memory-map the FAISS index instead of reading it into RAM.")] = False,
     threads: Annotated[OptInt, Opt(help="CPU threads for torch and faiss (default: all cores).")] = None,
@@ -125,7 +129,8 @@ def serve(
     from retriever.searcher import open_index
 
     try:
-        opened = open_index(index, encoder=encoder, device=device, use_gpu=gpu, mmap=mmap, threads=threads)
+        opened = open_index(index, encoder=encoder, device=device, precision=precision, use_gpu=gpu, mmap=mmap,
+                            threads=threads)
     except RetrieverError as e:
         raise _fail(str(e)) from None
     import sys

@@ -142,12 +142,51 @@ def resolve_encoder(
     )
 
 
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 encoding is 2-3x
+    faster than float32 on it (measured: MiniLM passages 21 -> 54/s on two Xeon cores with AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def on_gpu(device: str | None) -> bool:
+    """Whether an encoder on `device` (None: the default, cuda when available) runs on a GPU."""
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """`auto`: float16 on GPU, bfloat16 on a CPU that multiplies it natively, else float32."""
+    if precision not in PRECISIONS:
+        raise RetrieverError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    if on_gpu:
+        return "float16"
+    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
+
+
 class DenseEncoder:
-    """A transformers encoder: pooled, L2-normalised float32 embeddings. fp16 on GPU, data-parallel over
-    all GPUs when there are several; fp32 on CPU."""
+    """A transformers encoder: pooled, L2-normalised float32 embeddings, computed in `precision`
+    (resolve_precision: fp16 on GPU, bf16 on CPUs with native bf16 matmul, else fp32; the embeddings of
+    the three agree to a cosine of ~0.9999). Data-parallel over all GPUs when there are several."""
 
     def __init__(
-        self, spec: EncoderSpec, *, device: str | None = None, batch_size: int | None = None, threads: int | None = None
+        self, spec: EncoderSpec, *, device: str | None = None, batch_size: int | None = None, threads: int | None = None,
+        precision: str = "auto",
     ) -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -159,18 +198,17 @@ class DenseEncoder:
         self._torch = torch
         self.spec = spec
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        on_gpu = self.device.startswith("cuda")
+        gpu = self.device.startswith("cuda")
         self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
         model = AutoModel.from_pretrained(spec.path, local_files_only=True)
         self.dimension = int(model.config.hidden_size)
         limit = getattr(model.config, "max_position_embeddings", None) or spec.max_length
         self.max_length = min(spec.max_length, int(limit))
-        if on_gpu:
-            model = model.half()
-        model = model.to(self.device).eval()
-        n_gpus = torch.cuda.device_count() if on_gpu else 1
+        self.precision = resolve_precision(precision, gpu)
+        model = model.to(getattr(torch, self.precision)).to(self.device).eval()
+        n_gpus = torch.cuda.device_count() if gpu else 1
         self.model = torch.nn.DataParallel(model) if n_gpus > 1 else model
-        self.batch_size = batch_size or (256 * n_gpus if on_gpu else 64)
+        self.batch_size = batch_size or (256 * n_gpus if gpu else 64)
 
     def encode(self, texts: list[str], kind: Kind, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
         """(n, dimension) float32, rows in the order of `texts`. Batches are formed longest-first by

@@ -47,9 +47,11 @@ class OpenIndex:
 
     def describe(self) -> dict[str, Any]:
         m = self.manifest
+        precision = self.index.encoder.precision if isinstance(self.index, DenseIndex) else None
         return {
             "index_type": m.index_type, "size": self.index.size, "encoder": self.encoder_name,
-            "dimension": m.dimension, "corpus_sha256": m.corpus.sha256, "index_params": m.index_params,
+            "encoder_precision": precision, "dimension": m.dimension, "corpus_sha256": m.corpus.sha256,
+            "index_params": m.index_params,
         }  # fmt: skip
 
 
@@ -92,6 +94,7 @@ def open_index(
     *,
     encoder: str | None = None,
     device: str | None = None,
+    precision: str = "auto",
     use_gpu: bool = True,
     mmap: bool = False,
     threads: int | None = None,
@@ -114,7 +117,7 @@ def open_index(
                 f"the manifest says {manifest.corpus.rows} of {manifest.dimension}"
             )
         spec = _check_encoder(manifest, directory, encoder)
-        dense_encoder = DenseEncoder(spec, device=device, threads=threads)
+        dense_encoder = DenseEncoder(spec, device=device, threads=threads, precision=precision)
         if dense_encoder.dimension != manifest.dimension:
             raise RetrieverError(f"encoder {spec.name!r} produces {dense_encoder.dimension} dims, the index holds {manifest.dimension}")
         return OpenIndex(directory, manifest, DenseIndex(dense_encoder, faiss_search), docs, spec.name)

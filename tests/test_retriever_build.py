@@ -100,14 +100,15 @@ def test_killed_build_leaves_no_index_and_resumes(tmp_path, tiny_encoder, index_
     corpus, _ = synthetic_corpus_file(tmp_path / "corpus.jsonl", 100)
     lines = corpus.read_bytes().splitlines(keepends=True)
     out = tmp_path / "idx"
-    settings = {"encoder": str(tiny_encoder), "shard_size": 20}
+    settings = {"encoder": str(tiny_encoder), "shard_size": 20, "precision": "float32"}
     # The first build reads a pipe that we fill with 50 lines and never close: it commits two shards of 20,
     # then waits for more input, and is killed there.
     fifo = tmp_path / "corpus.fifo"
     os.mkfifo(fifo)
     proc = subprocess.Popen(
         [sys.executable, "-m", "retriever", "build", "--corpus", str(fifo), "--out", str(out), "--index", index_type,
-         "--encoder", settings["encoder"], "--shard-size", "20", "--threads", "1", "--quiet"],
+         "--encoder", settings["encoder"], "--shard-size", "20", "--threads", "1", "--quiet",
+         "--precision", "float32"],
         cwd=REPO, stderr=subprocess.PIPE,
     )  # fmt: skip
     with open(fifo, "wb") as writer:
@@ -121,6 +122,10 @@ def test_killed_build_leaves_no_index_and_resumes(tmp_path, tiny_encoder, index_
     state = json.loads(state_file.read_text())
     assert (state["rows"], state["encoded"]) == (40, False)
 
+    if index_type == "flat":  # the shards were encoded in float32: resuming in another precision is refused
+        with pytest.raises(RetrieverError, match="precision: 'float32' -> 'bfloat16'"):
+            build(BuildConfig(corpus=corpus, out=out, index_type=index_type, threads=1,
+                              **(settings | {"precision": "bfloat16"})))
     manifest = build(BuildConfig(corpus=corpus, out=out, index_type=index_type, progress=True, threads=1, **settings))
     assert "40 passages in 2 shards already done" in capsys.readouterr().err
     assert manifest.corpus.rows == 100

@@ -53,9 +53,30 @@ TEXTS = ["Who wrote Hamlet?", "Paris is the capital and largest city of France."
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_pooling_matches_a_reference_and_is_normalised(encoders, pooling):
     spec = resolve_encoder(str(encoders["plain"]), pooling=pooling)
-    got = DenseEncoder(spec, batch_size=2, threads=THREADS).encode(TEXTS, "passage")
+    got = DenseEncoder(spec, batch_size=2, threads=THREADS, precision="float32").encode(TEXTS, "passage")
     np.testing.assert_allclose(got, reference_embeddings(encoders["plain"], TEXTS, pooling), atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_bfloat16_encoding_stays_close_to_float32(encoders):
+    spec = resolve_encoder(str(encoders["plain"]))
+    exact = DenseEncoder(spec, threads=THREADS, precision="float32").encode(TEXTS, "passage")
+    half = DenseEncoder(spec, threads=THREADS, precision="bfloat16")
+    assert half.precision == "bfloat16"
+    got = half.encode(TEXTS, "passage")
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert (got * exact).sum(axis=1).min() > 0.999  # same directions, to bf16's precision
+
+
+def test_precision_auto_and_bad_values(encoders):
+    from retriever.encoder import cpu_has_bf16_matmul, resolve_precision
+
+    assert resolve_precision("auto", on_gpu=True) == "float16"
+    assert resolve_precision("auto", on_gpu=False) == ("bfloat16" if cpu_has_bf16_matmul() else "float32")
+    assert resolve_precision("float32", on_gpu=True) == "float32"
+    with pytest.raises(RetrieverError, match="expected one of auto, float32, bfloat16, float16"):
+        resolve_precision("fp8", on_gpu=False)
 
 
 def test_prefixes_and_pooling_follow_the_name(encoders):

@@ -194,3 +194,19 @@ def test_minilm_flat_end_to_end_exact(tmp_path):
     for hits, row in zip(result, expected, strict=True):
         assert [h["document"]["id"] for h in hits] == [ids[i] for i in np.argsort(-row, kind="stable")]
         np.testing.assert_allclose([h["score"] for h in hits], np.sort(row)[::-1], atol=1e-4)
+
+
+def test_minilm_bfloat16_queries_against_a_float32_index(tmp_path):
+    """Queries encoded in bf16 (the CPU default where AMX / AVX512-BF16 exist) against passages encoded in
+    fp32: the same hand-checked top hits, scores within bf16's precision of the fp32 cosines."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
+    build_index(corpus, tmp_path / "idx", "flat", encoder=DEFAULT_ENCODER)
+    queries = ["Who wrote Hamlet?", "What is the capital of France?", "highest mountain in the world", "which ship hit an iceberg"]
+    with serve_index(tmp_path / "idx", precision="bfloat16") as url:
+        health = httpx.get(f"{url}/health").json()
+        result = httpx.post(f"{url}/retrieve", json={"queries": queries, "topk": 1, "return_scores": True}).json()["result"]
+    assert health["encoder_precision"] == "bfloat16"
+    assert [hits[0]["document"]["id"] for hits in result] == ["hamlet", "paris", "everest", "titanic"]
+    model = resolve_model_dir(DEFAULT_ENCODER)
+    expected = (reference_embeddings(model, queries) @ reference_embeddings(model, [d["contents"] for d in HAND_CORPUS]).T).max(1)
+    np.testing.assert_allclose([hits[0]["score"] for hits in result], expected, atol=1e-2)

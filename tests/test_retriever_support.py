@@ -156,18 +156,21 @@ def serving(app) -> Iterator[str]:
         sock.close()
 
 
-def serve_index(index_dir: Path, mmap: bool = False, **settings):
-    """A context manager serving an index directory (opened and checked like `retriever serve` does)."""
+def serve_index(index_dir: Path, mmap: bool = False, precision: str = "float32", **settings):
+    """A context manager serving an index directory (opened and checked like `retriever serve` does).
+    float32 by default: tests compare scores with float32 references to 1e-5."""
     from retriever.searcher import open_index
     from retriever.server import ServerSettings, create_app
 
-    return serving(create_app(open_index(index_dir, threads=THREADS, mmap=mmap), ServerSettings(**settings)))
+    opened = open_index(index_dir, threads=THREADS, mmap=mmap, precision=precision)
+    return serving(create_app(opened, ServerSettings(**settings)))
 
 
 def build_index(corpus: Path, out: Path, index_type: str = "flat", **kwargs):
     from retriever.build import BuildConfig, build
 
     kwargs.setdefault("threads", THREADS)
+    kwargs.setdefault("precision", "float32")  # exact references; bf16 has its own test
     return build(BuildConfig(corpus=corpus, out=out, index_type=index_type, progress=False, **kwargs))
 
 
