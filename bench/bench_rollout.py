@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 
@@ -54,11 +55,23 @@ class SleepTool:
         pass
 
 
-def turn_lengths(n: int, turns: int, mean: int, seed: int = 0) -> list[list[int]]:
-    """Per trajectory, per turn: a length drawn uniformly from [mean/8, 2*mean - mean/8]."""
+DISTS = {
+    "uniform": "uniform in [mean/8, 2 mean - mean/8]",
+    "lognormal": "lognormal, sigma 1, median mean/e^0.5 (so the mean is `mean`), clipped to [16, 8 mean]",
+}
+
+
+def turn_lengths(n: int, turns: int, mean: int, seed: int = 0, dist: str = "uniform") -> list[list[int]]:
+    """Per trajectory, per turn, a length drawn from `dist` (DISTS) with mean about `mean`. Reasoning
+    models' turns are heavy-tailed (a short tool call, then a long derivation): `lognormal` models that."""
     rng = random.Random(seed)
-    lo = max(1, mean // 8)
-    return [[rng.randint(lo, 2 * mean - lo) for _ in range(turns)] for _ in range(n)]
+    if dist == "uniform":
+        lo = max(1, mean // 8)
+        return [[rng.randint(lo, 2 * mean - lo) for _ in range(turns)] for _ in range(n)]
+    if dist == "lognormal":
+        mu = math.log(mean) - 0.5  # E[lognormal(mu, 1)] = exp(mu + 1/2) = mean
+        return [[min(8 * mean, max(16, round(rng.lognormvariate(mu, 1.0)))) for _ in range(turns)] for _ in range(n)]
+    raise ValueError(f"unknown turn-length distribution {dist!r}: expected one of {', '.join(DISTS)}")
 
 
 class FixedTurns:
@@ -92,8 +105,9 @@ async def run_plain(engine, prompts, tokens: list[int]) -> int:
 
 
 async def run_loop(engine, prompts, tok, args, mode: str, lengths: list[list[int]]) -> tuple[int, dict]:
-    budgets = Budgets(max_turns=args.turns, max_tool_calls=args.turns - 1, max_tokens_per_turn=2 * args.turn_tokens,
-                      max_response_tokens=args.turns * (2 * args.turn_tokens + 64))
+    longest = max(max(x) for x in lengths)  # no budget cuts a drawn turn short
+    budgets = Budgets(max_turns=args.turns, max_tool_calls=args.turns - 1, max_tokens_per_turn=longest,
+                      max_response_tokens=args.turns * (longest + 64))
     per_session = {f"{p.id}/0": lengths[i] for i, p in enumerate(prompts)}
     groups = await rollout(prompts, engine=FixedTurns(engine, per_session), fmt=BenchFormat(), tools={"sleep": SleepTool(args.tool_ms / 1000)},
                            budgets=budgets, tokenizer=tok, config=RolloutConfig(n=1, mode=mode, seed=1))
@@ -111,6 +125,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
+    ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -121,35 +136,37 @@ def main() -> None:
     from agentrl.engine.vllm import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=8192, device="cuda")
+    write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=16384, device="cuda")
     prompts = []
     for i in range(args.trajectories):
         ids = tok.encode(f"Question {i}: " + "think about numbers " * (20 + i % 40))
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
     t0 = time.perf_counter()
-    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=8192)
+    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384)
     start_s = time.perf_counter() - t0
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
-    lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens)
     rows = []
-    for name in ("plain", "async", "turn_sync"):
-        t0 = time.perf_counter()
-        if name == "plain":
-            generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
-        else:
-            generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
-        seconds = time.perf_counter() - t0
-        rows.append({"mode": name, "generated_tokens": generated, "seconds": round(seconds, 2),
-                     "tokens_per_s": round(generated / seconds), **extra})
-    base = {r["mode"]: r["tokens_per_s"] for r in rows}
+    for dist in args.dists.split(","):
+        lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
+        for name in ("plain", "async", "turn_sync"):
+            t0 = time.perf_counter()
+            if name == "plain":
+                generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
+            else:
+                generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
+            seconds = time.perf_counter() - t0
+            rows.append({"dist": dist, "mode": name, "generated_tokens": generated, "seconds": round(seconds, 2),
+                         "tokens_per_s": round(generated / seconds), **extra})
     print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
-          f"turn length uniform in [{args.turn_tokens // 8}, {2 * args.turn_tokens - args.turn_tokens // 8}] tokens, "
-          f"tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s\n")
-    print("| mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|")
+          f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s")
+    for dist in args.dists.split(","):
+        print(f"- {dist}: {DISTS[dist]}")
+    print("\n| turn lengths | mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
+        base = {x["mode"]: x["tokens_per_s"] for x in rows if x["dist"] == r["dist"]}
+        print(f"| {r['dist']} | {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
               f"{r['tokens_per_s'] / base['plain']:.2f} | {r['tokens_per_s'] / base['turn_sync']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
