@@ -89,8 +89,10 @@ def build_bm25(
 class Bm25Search:
     """A saved BM25 index, memory-mapped; `search` returns (scores, rows) padded with -1 past the hits."""
 
-    def __init__(self, directory: Path, stopwords: str, *, mmap: bool = True) -> None:
+    def __init__(self, directory: Path, stopwords: str, *, mmap: bool = True, threads: int | None = None) -> None:
         import bm25s
+
+        self._threads = threads or -1  # bm25s: -1 = every core
 
         self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
         word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
@@ -100,7 +102,9 @@ class Bm25Search:
     def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, self.size)
         ids = list(self._tokenizer.streaming_tokenize(queries, update_vocab=False, allow_empty=True))
-        rows, scores = self._index.retrieve(ids, k=k, show_progress=False, n_threads=0)
+        # bm25s scores query by query: a batch spreads its queries over threads (one query: no pool)
+        threads = self._threads if len(ids) > 1 else 0
+        rows, scores = self._index.retrieve(ids, k=k, show_progress=False, n_threads=threads)
         # A query with no known term is tokenized to the empty token, which matches the empty passages:
         # it has no hits, like a Lucene query with no terms.
         empty = self._tokenizer.word_to_id.get("")
