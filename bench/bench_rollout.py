@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
+    ap.add_argument("--admission-ms", default="0", help="comma list: the async loop once per VLLMEngine admission interval")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -149,15 +150,20 @@ def main() -> None:
     rows = []
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
-        for name in ("plain", "async", "turn_sync"):
+        waves = [float(x) for x in args.admission_ms.split(",")]
+        runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
+        for name, wave_ms in runs:
+            engine.admission_interval_s = wave_ms / 1000
             t0 = time.perf_counter()
             if name == "plain":
                 generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
             else:
                 generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
             seconds = time.perf_counter() - t0
-            rows.append({"dist": dist, "mode": name, "generated_tokens": generated, "seconds": round(seconds, 2),
+            label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
+            rows.append({"dist": dist, "mode": label, "generated_tokens": generated, "seconds": round(seconds, 2),
                          "tokens_per_s": round(generated / seconds), **extra})
+        engine.admission_interval_s = 0.0
     print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
           f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s")
     for dist in args.dists.split(","):
