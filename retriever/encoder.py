@@ -146,8 +146,9 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 encoding is 2-3x
-    faster than float32 on it (measured: MiniLM passages 21 -> 54/s on two Xeon cores with AMX)."""
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 encoding is several
+    times faster than float32 (measured on two Xeon cores with AMX: MiniLM, ~140-token passages, 16 -> 101
+    passages/s; BENCHMARKS.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
