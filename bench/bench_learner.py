@@ -44,7 +44,8 @@ TINY = dict(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_
             intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=4096)
 # name: (torch.compile, activation checkpointing, keep logits for backward)
 VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "compiled_keep": (True, False, True),
-            "compiled_ac": (True, True, False), "eager_ac": (False, True, False)}
+            "compiled_ac": (True, True, False), "eager_ac": (False, True, False),
+            "compiled_keep_cpp": (True, False, True)}  # + inductor's C++ wrapper: kernels launched from C++
 
 
 @dataclass
@@ -157,6 +158,9 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
     compiled, ac, keep = VARIANTS[name]
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_wrapper = name.endswith("_cpp")  # an experiment: launch overhead bounds 4k micro-batches
     config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep,
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
