@@ -26,6 +26,13 @@ PQ_POINTS_PER_CENTROID = 10  # PQ sub-spaces have few dims: 10 points per code w
 GPU_PQ_SIZES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
 
 
+# Exhaustive (Flat) search of this many queries or more goes through one BLAS matrix product instead of a
+# SIMD scan per query. faiss 1.15's default is 128,000, i.e. a batch is scanned query by query; measured on
+# 100k x 384 vectors and two cores (BENCHMARKS.md): the scan wins for 1-2 queries, BLAS from 4 on (2-3x at
+# 16-128), which is what dynamic batching hands it.
+BLAS_THRESHOLD = 4
+
+
 def set_threads(threads: int | None) -> None:
     if threads:
         faiss.omp_set_num_threads(threads)
@@ -125,6 +132,7 @@ class FaissSearch:
             mapped = faiss.IO_FLAG_MMAP if index_type == "ivfpq" else faiss.IO_FLAG_MMAP_IFC
             flags = mapped | faiss.IO_FLAG_READ_ONLY
         index = faiss.read_index(str(path), flags)
+        faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
         self.on_gpu = use_gpu and index_type != "hnsw" and gpu_count() > 0
