@@ -93,7 +93,6 @@ class Bm25Search:
         import bm25s
 
         self._threads = threads or -1  # bm25s: -1 = every core
-
         self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
         word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
         self._tokenizer = new_tokenizer(stopwords, word_to_id)

@@ -274,11 +274,16 @@ def shard_reader(directory: Path, n_shards: int):
     return lambda: (np.load(directory / f"{i:05d}.npy", mmap_mode="r") for i in range(n_shards))
 
 
+def sample_rows(n: int, m: int) -> np.ndarray:
+    """min(m, n) of the row numbers 0..n-1, drawn uniformly without replacement (seeded), sorted."""
+    return np.sort(np.random.default_rng(0).choice(n, size=min(m, n), replace=False))
+
+
 def shard_sampler(directory: Path, n_shards: int, shard_size: int, n_rows: int):
     """`sample(m)`: m rows drawn uniformly without replacement (seeded), read shard by shard."""
 
     def sample(m: int) -> np.ndarray:
-        rows = np.sort(np.random.default_rng(0).choice(n_rows, size=min(m, n_rows), replace=False))
+        rows = sample_rows(n_rows, m)
         parts = []
         for shard in range(n_shards):
             mask = (rows // shard_size) == shard

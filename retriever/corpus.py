@@ -3,8 +3,6 @@
 `CorpusReader` streams the file in binary (so it also reads a pipe), keeps the byte offset and line number
 of every line (a resumed build restarts at a byte offset, and errors name the line), and hashes the bytes
 as it goes (the manifest records the corpus checksum). build.py drives it; nothing here holds the corpus.
-`split_title` is the one place that knows how `contents` holds a title (agentrl/tools/search.py mirrors it
-on the client side, which must not import this package).
 """
 
 from __future__ import annotations
@@ -31,12 +29,6 @@ class Passage:
         return (json.dumps({"id": self.id, "contents": self.contents}, ensure_ascii=False) + "\n").encode()
 
 
-def split_title(contents: str) -> tuple[str, str]:
-    """`"\"Title\"\ntext"` -> ("Title", "text"): the first line without its quotes, then the rest."""
-    first, _, rest = contents.partition("\n")
-    return first.strip().strip('"'), rest
-
-
 def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
     """Parse one corpus line, or raise RetrieverError naming the line and what is wrong with it.
 
@@ -58,10 +50,8 @@ def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
 
 @dataclass(frozen=True)
 class CorpusLine:
-    """A line read from the corpus: its 1-based number, the byte offset just past it, and its parse."""
+    """A line read from the corpus: its parse, or why it could not be parsed (the reader keeps positions)."""
 
-    line_no: int
-    end_offset: int
     passage: Passage | None  # None: a bad line skipped under --skip-bad
     error: str | None = None
 
@@ -123,7 +113,7 @@ class CorpusReader:
             except RetrieverError as e:
                 if not self._skip_bad:
                     raise RetrieverError(f"{e} (pass --skip-bad to skip and count such lines)") from None
-                yield CorpusLine(self.line_no, self.offset, None, str(e))
+                yield CorpusLine(None, str(e))
                 continue
             self.row += 1
-            yield CorpusLine(self.line_no, self.offset, passage)
+            yield CorpusLine(passage)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from retriever.errors import RetrieverError
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "docs.offsets.bin"
 _OFFSET = np.dtype("<i8")
+_OFFSET_STRUCT = struct.Struct("<q")
 
 
 class DocStoreWriter:
@@ -39,7 +41,7 @@ class DocStoreWriter:
         self.rows, self.nbytes = rows, nbytes
 
     def append(self, line: bytes) -> None:
-        self._offsets.write(np.array([self.nbytes], dtype=_OFFSET).tobytes())
+        self._offsets.write(_OFFSET_STRUCT.pack(self.nbytes))  # same bytes as _OFFSET, without an array
         self._docs.write(line)
         self.rows += 1
         self.nbytes += len(line)

@@ -198,8 +198,8 @@ class DenseEncoder:
             torch.set_num_threads(threads)
         self._torch = torch
         self.spec = spec
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        gpu = self.device.startswith("cuda")
+        gpu = on_gpu(device)
+        self.device = device or ("cuda" if gpu else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
         model = AutoModel.from_pretrained(spec.path, local_files_only=True)
         self.dimension = int(model.config.hidden_size)

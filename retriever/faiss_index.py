@@ -42,6 +42,11 @@ def gpu_count() -> int:
     return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
 
 
+def _wants_gpu(index_type: str, use_gpu: bool) -> bool:
+    """Whether an index of this type goes on the GPUs (HNSW has no GPU version: it stays on the CPU)."""
+    return use_gpu and index_type != "hnsw" and gpu_count() > 0
+
+
 def resolve_params(index_type: str, n: int, dim: int, given: dict[str, Any]) -> dict[str, Any]:
     """The build and search parameters of an index of `n` vectors of `dim`, `given` ones taking precedence."""
     p = {k: v for k, v in given.items() if v is not None}
@@ -98,11 +103,10 @@ def build_faiss(
     shards: Callable[[], Iterator[np.ndarray]],
     sample: Callable[[int], np.ndarray],
     use_gpu: bool,
-    on_added: Callable[[int], None] | None = None,
 ) -> faiss.Index:
     """Train (IVF-PQ, on `sample(train_size)`), then add every shard; returns a CPU index to write."""
     index = make_index(index_type, dim, params)
-    on_gpu = use_gpu and index_type != "hnsw" and gpu_count() > 0
+    on_gpu = _wants_gpu(index_type, use_gpu)
     if on_gpu:
         try:
             index = _to_all_gpus(index)
@@ -113,8 +117,6 @@ def build_faiss(
         index.train(np.ascontiguousarray(sample(params["train_size"]), dtype=np.float32))
     for chunk in shards():
         index.add(np.ascontiguousarray(chunk, dtype=np.float32))
-        if on_added is not None:
-            on_added(len(chunk))
     return faiss.index_gpu_to_cpu(index) if on_gpu else index
 
 
@@ -135,7 +137,7 @@ class FaissSearch:
         faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
-        self.on_gpu = use_gpu and index_type != "hnsw" and gpu_count() > 0
+        self.on_gpu = _wants_gpu(index_type, use_gpu)
         if self.on_gpu:
             index = _to_all_gpus(index)
         space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from retriever.build import EMBEDDINGS_DIR, partial_dir, publish, shard_reader, shard_sampler
+from retriever.build import EMBEDDINGS_DIR, partial_dir, publish, sample_rows, shard_reader, shard_sampler
 from retriever.docstore import DOCS_FILE, OFFSETS_FILE
 from retriever.errors import RetrieverError
 from retriever.manifest import DENSE_TYPES, Manifest, read_manifest, write_manifest
@@ -48,8 +48,7 @@ def _vector_source(src: Path, manifest: Manifest):
         return (index.reconstruct_n(i, min(_CHUNK, n - i)) for i in range(0, n, _CHUNK))
 
     def sample(m: int) -> np.ndarray:
-        rows = np.sort(np.random.default_rng(0).choice(n, size=min(m, n), replace=False))
-        return index.reconstruct_batch(rows.astype(np.int64))
+        return index.reconstruct_batch(sample_rows(n, m).astype(np.int64))
 
     return shards, sample
 

@@ -21,6 +21,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from agentrl.types import ToolCall, ToolResult
@@ -202,22 +203,29 @@ class HermesFormat(ToolFormat):
             calls.append(ToolCall(name, arguments, raw=block))
         return Calls(calls)
 
+    _HISTORY = (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]},
+    )
+
+    @cached_property
+    def _before(self) -> tuple[str, int]:
+        """The template over a user turn and an assistant message with a tool call, and the index just past
+        that message's EOS: the same for every observation of this format, so rendered once."""
+        before = self.tokenizer.apply_chat_template(list(self._HISTORY), tools=self.tool_schemas, tokenize=False)
+        if self.eos_text not in before:
+            raise ValueError("this chat template does not append tool messages after the assistant's EOS")
+        return before, before.rindex(self.eos_text) + len(self.eos_text)
+
     def _appended(self, contents: list[str]) -> str:
         """What the template appends after an assistant message with tool calls when tool messages with
         `contents` follow, starting right after the assistant's EOS."""
-        assistant = {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
-        }
-        history = [{"role": "user", "content": "q"}, assistant]
+        before, end_of_message = self._before
         tools = [{"role": "tool", "content": c} for c in contents]
-        kwargs = {"tools": self.tool_schemas, "tokenize": False}
-        before = self.tokenizer.apply_chat_template(history, **kwargs)
-        after = self.tokenizer.apply_chat_template(history + tools, add_generation_prompt=True, **kwargs)
-        if not after.startswith(before) or self.eos_text not in before:
+        after = self.tokenizer.apply_chat_template([*self._HISTORY, *tools], tools=self.tool_schemas, tokenize=False,
+                                                   add_generation_prompt=True)
+        if not after.startswith(before):
             raise ValueError("this chat template does not append tool messages after the assistant's EOS")
-        end_of_message = before.rindex(self.eos_text) + len(self.eos_text)
         return before[end_of_message:] + after[len(before) :]
 
     def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
