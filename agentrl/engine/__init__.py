@@ -15,7 +15,7 @@ AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.p
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
 
@@ -38,7 +38,6 @@ class Completion:
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     stop_str: str | None = None  # the stop string that ended generation; None for EOS or length
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable

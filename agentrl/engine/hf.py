@@ -104,8 +104,9 @@ class HFEngine:
 
         cache = DynamicCache()
         while active:
-            out = self.model(
-                input_ids=ids_BT, attention_mask=mask_BT, position_ids=positions_BT, use_cache=True, **{self._cache_kw: cache}
+            out = self.model(  # logits of the last position only: the prefill's other rows would be discarded
+                input_ids=ids_BT, attention_mask=mask_BT, position_ids=positions_BT, use_cache=True, logits_to_keep=1,
+                **{self._cache_kw: cache},
             )
             self.stats["forward_steps"] += 1
             cache = out[self._cache_kw]

@@ -138,10 +138,6 @@ class VLLMEngine:
         await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
         return count
 
-    async def weight_sums(self, names: list[str]) -> list[dict[str, float]]:
-        """Per worker, the sum of each named parameter: a cheap check that an update landed."""
-        return await self.engine.collective_rpc("agentrl_weight_sums", args=(names,))
-
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level=level)
 

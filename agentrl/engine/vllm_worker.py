@@ -23,7 +23,3 @@ class WeightUpdateExtension:
         model.load_weights(weights=[(name, t.to(device, non_blocking=True)) for name, t in tensors.items()])
         torch.cuda.synchronize(device)
         return len(tensors)
-
-    def agentrl_weight_sums(self, names: list[str]) -> dict[str, float]:
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return {n: float(params[n].float().sum()) for n in names if n in params}

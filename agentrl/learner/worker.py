@@ -10,6 +10,7 @@ with their own `Batch` of the same packing.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -164,7 +165,8 @@ class Worker:
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by the fused step
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        norm_value, skipped = float(norm), bool(found_inf.item())
+        norm_value = float(norm)  # the one host sync of the step, after the step is queued
+        skipped = not math.isfinite(norm_value)
         if skipped:
             self.skipped_steps += 1
         else:
