@@ -69,10 +69,9 @@ def main(static: dict[str, Any], channel: int, inherited: list[int]) -> NoReturn
         code = _run_bash(request["code"], request.get("args") or [])
     else:
         code = _run_python(request["code"], namespace)
-        if os.getpid() != 1:  # a fork of the program fell off the end of its code: just exit like it
-            _finish_python()
-            os._exit(code)
         _finish_python()
+        if os.getpid() != 1:  # a fork of the program fell off the end of its code: just exit like it
+            os._exit(code)
     _finish(code, time.monotonic() - started, request.get("fetch_files") or [], msg["limits"]["fetch_bytes"])
 
 

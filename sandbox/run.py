@@ -128,7 +128,6 @@ def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: b
         "nproc": settings.max_processes + (2 if map_self else 0),
         "nofile": settings.max_open_files,
         "fsize_mb": settings.max_file_size_mb,
-        "disk_mb": settings.disk_mb,
         "fetch_bytes": settings.max_fetch_bytes,
         "request_bytes": settings.max_request_bytes + (1 << 20),
     }

@@ -12,12 +12,10 @@ server.py maps `SessionError` to its HTTP status.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import signal
-import socket
 import struct
 import time
 import uuid
@@ -46,8 +44,6 @@ class SessionError(Exception):
 class Session:
     id: str
     idle_timeout: float
-    memory_mb: int
-    sock: socket.socket
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     out: OutputCapture
@@ -134,8 +130,7 @@ class SessionManager:
             for fd in child_fds:
                 os.close(fd)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        session = Session(sid, idle_timeout or self.settings.session_idle_s, memory_mb, sock, reader, writer,
-                          out, err, exited)
+        session = Session(sid, idle_timeout or self.settings.session_idle_s, reader, writer, out, err, exited)
         self.sessions[sid] = session
         exited.add_done_callback(lambda f: self._ended(sid))
         return session
@@ -209,8 +204,7 @@ class SessionManager:
         if session is None:
             return
         self.zygote.control({"op": "kill", "id": sid})
-        with contextlib.suppress(ZygoteDied, asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(session.exited), INTERRUPT_GRACE_S * 2)
+        await _exit_report(session)
         session.out.drain()
         session.err.drain()
         session.close_channels()
