@@ -59,3 +59,17 @@ def test_no_logits_are_kept_for_backward() -> None:
     assert max(saved) >= T * V  # what the plain path keeps
     (lp.sum() + ent.sum()).backward()
     assert h.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_logprobs_alone_skip_the_entropy(compiled: bool) -> None:
+    torch.manual_seed(3)
+    T, H, V = 37, 16, 50
+    h, w, y = torch.randn(T, H, requires_grad=True), torch.randn(V, H), torch.randint(0, V, (T,))
+    lp, ent = token_logprobs(h, w, y, 7, 0.7, compiled=compiled, with_entropy=False)
+    lp_ref, _ = _reference(h, w, None, y, 0.7)
+    assert torch.allclose(lp.double(), lp_ref, atol=1e-5)
+    assert torch.equal(ent, torch.zeros(T)) and not ent.requires_grad
+    (g,) = torch.autograd.grad(lp.sum(), [h])  # logprobs stay differentiable
+    (g_ref,) = torch.autograd.grad(lp_ref.sum(), [h])
+    assert torch.allclose(g, g_ref, rtol=1e-4, atol=1e-4)

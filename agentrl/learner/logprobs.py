@@ -31,28 +31,33 @@ def token_logprobs(
     bias_V: Tensor | None = None,
     compiled: bool = False,
     keep_logits: bool = False,
+    with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] and the entropy of that softmax, per token,
     both float32 [T]. Differentiable in hidden, weight and bias. `keep_logits` saves each chunk's logits
     (in the weight's dtype) for backward instead of recomputing them: a vocabulary matmul less, memory
-    that grows with T again."""
+    that grows with T again. `with_entropy=False` (logprobs alone, e.g. old and reference logprobs) skips
+    the entropy's passes over each chunk and returns zeros for it, not differentiable."""
     stats, grad = (_compiled_fns() if compiled else (_chunk_stats, _chunk_grad))
     return _ChunkedLogprobs.apply(hidden_TH, weight_VH, bias_V, target_ids_T, chunk_tokens, 1.0 / temperature,
-                                  stats, grad, keep_logits)
+                                  stats, grad, keep_logits, with_entropy)
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
 
 
-def _chunk_stats(logits_CV: Tensor, targets_C: Tensor, inv_temp: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprob of target, log-sum-exp, entropy) of one chunk, in float32."""
+def _chunk_stats(
+    logits_CV: Tensor, targets_C: Tensor, inv_temp: float, with_entropy: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(logprob of target, log-sum-exp, entropy or None) of one chunk, in float32."""
     z = logits_CV.float() * inv_temp
     lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse[:, None])
-    entropy = lse - torch.linalg.vecdot(p, z)
     logprob = z.gather(1, targets_C[:, None]).squeeze(1) - lse
-    return logprob, lse, entropy
+    if not with_entropy:
+        return logprob, lse, None
+    p = torch.exp(z - lse[:, None])
+    return logprob, lse, lse - torch.linalg.vecdot(p, z)
 
 
 def _chunk_grad(
@@ -82,16 +87,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
         inv_temp: float, stats: Callable[..., Any], grad: Callable[..., Any], keep_logits: bool,
+        with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
-        logprob, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        logprob, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        entropy = (torch.empty if with_entropy else torch.zeros)(n, dtype=torch.float32, device=hidden.device)
         kept = []
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             logits = _logits(hidden[a:b], weight, bias)
-            logprob[a:b], lse[a:b], entropy[a:b] = stats(logits, targets[a:b], inv_temp)
+            logprob[a:b], lse[a:b], entropy_C = stats(logits, targets[a:b], inv_temp, with_entropy)
+            if with_entropy:
+                entropy[a:b] = entropy_C
             if keep_logits:
                 kept.append(logits)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, *kept)
         ctx.chunk, ctx.inv_temp, ctx.grad = chunk, inv_temp, grad
         ctx.set_materialize_grads(False)
@@ -126,4 +137,4 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and bias is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None

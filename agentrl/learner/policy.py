@@ -36,9 +36,9 @@ class PolicyModule(nn.Module):
     def forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         hidden = self.lm.base_model(**model_inputs(mb)).last_hidden_state[0]
         head = self.lm.get_output_embeddings()
-        keep = self.keep_logits and torch.is_grad_enabled()
+        training = torch.is_grad_enabled()  # without grad only logprobs are read (compute_logprobs)
         return token_logprobs(hidden, head.weight, mb.target_ids_T, self.chunk_tokens, self.temperature,
-                              head.bias, self.compiled, keep)
+                              head.bias, self.compiled, self.keep_logits and training, with_entropy=training)
 
 
 class PolicyWorker(Worker):
