@@ -14,9 +14,9 @@ AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,19 @@ def completed_stop(tokenizer: object, ids: Sequence[int], stops: Sequence[str]) 
     window = list(ids[-(max(map(len, stops)) + 8) :])
     decode = tokenizer.decode  # type: ignore[attr-defined]
     return stop_completed_in_last_token(decode(window), decode(window[:-1]), stops)
+
+
+def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """(name, tensor) pairs grouped into lists of about `bucket_bytes` (a tensor larger than that is alone):
+    the unit in which weights travel from the learner to an engine."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from agentrl.engine import Completion, Sampling
+from agentrl.engine import Completion, Sampling, bucket_by_bytes
 
 WORKER_EXTENSION = "agentrl.engine.vllm_worker.WeightUpdateExtension"
 BUCKET_BYTES = 256 << 20  # weights travel in buckets of about this size: bounded host memory per RPC
@@ -124,17 +124,11 @@ class VLLMEngine:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
         from safetensors.torch import save
 
-        bucket: dict[str, Any] = {}
-        size = count = 0
-        for name, tensor in named_tensors:
-            bucket[name] = tensor.detach().to("cpu").contiguous()
-            size += bucket[name].numel() * bucket[name].element_size()
-            count += 1
-            if size >= BUCKET_BYTES:
-                await self.engine.collective_rpc("agentrl_load_weights", args=(save(bucket),))
-                bucket, size = {}, 0
-        if bucket:
-            await self.engine.collective_rpc("agentrl_load_weights", args=(save(bucket),))
+        count = 0
+        for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
+            payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})
+            await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
+            count += len(bucket)
         await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
         return count
 

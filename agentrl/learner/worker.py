@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from agentrl.engine import bucket_by_bytes
 from agentrl.learner import checkpoint
 from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
@@ -192,17 +193,7 @@ class Worker:
 
     def state_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
         """`state_for_sync` grouped into lists of about `bucket_bytes` (a tensor larger than that is alone)."""
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, tensor in self.state_for_sync(dtype):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        return bucket_by_bytes(self.state_for_sync(dtype), bucket_bytes)
 
     def save(self, path: str, extra: dict[str, object] | None = None) -> None:
         """Checkpoint weights, optimizer, schedule, step counters, RNG of every rank and `extra` (e.g. the
