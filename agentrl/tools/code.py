@@ -60,7 +60,7 @@ class CodeTool:
     async def call(self, call: ToolCall) -> ToolResult:
         code = call.arguments.get("code")
         if not isinstance(code, str):
-            return ToolResult(text="Error: the python tool needs a string argument 'code'.", error="malformed")
+            return _no_code()
         payload = {
             "code": code,
             "language": self.language,
@@ -112,7 +112,7 @@ class CodeTool:
             yield session
         finally:
             try:
-                await self._client.delete(f"{self.base_url}/sessions/{session.id}")
+                await session.aclose()
             except httpx.HTTPError:
                 pass  # the server closes idle sessions itself
 
@@ -132,12 +132,16 @@ class CodeSession:
     async def call(self, call: ToolCall) -> ToolResult:
         code = call.arguments.get("code")
         if not isinstance(code, str):
-            return ToolResult(text="Error: the python tool needs a string argument 'code'.", error="malformed")
+            return _no_code()
         payload = {"code": code, "run_timeout": self.tool.run_timeout, "stdin": call.arguments.get("stdin")}
         return await self.tool._post(f"/sessions/{self.id}/run_code", payload)
 
     async def aclose(self) -> None:
         await self.tool._client.delete(f"{self.tool.base_url}/sessions/{self.id}")
+
+
+def _no_code() -> ToolResult:
+    return ToolResult(text="Error: the python tool needs a string argument 'code'.", error="malformed")
 
 
 def _from_response(response: httpx.Response, started: float, attempts: int) -> ToolResult:
@@ -171,7 +175,8 @@ def _join(*parts: str) -> str:
 
 def _http_text(response: httpx.Response) -> str:
     try:
-        detail = response.json().get("message") or response.json().get("detail")
+        body = response.json()
+        detail = body.get("message") or body.get("detail")
     except ValueError:
         detail = response.text[:300]
     return f"Sandbox refused the request (HTTP {response.status_code}): {detail}"
