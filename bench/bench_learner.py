@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.algo import AlgoConfig
+from agentrl.engine.random_model import SHAPES
 from agentrl.learner.attention import packed_backend
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.fsdp import init_distributed
@@ -37,11 +38,9 @@ from agentrl.learner.packing import Batch, pack, response_layout
 from agentrl.learner.policy import PolicyWorker
 from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
 
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True,
-                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
-TINY = dict(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=4096)
+QWEN25_15B = SHAPES["qwen2.5-1.5b"] | dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                                          rms_norm_eps=1e-6)
+TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
 # name: (torch.compile, activation checkpointing, keep logits for backward)
 VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "compiled_keep": (True, False, True),
             "compiled_ac": (True, True, False), "eager_ac": (False, True, False),
