@@ -55,11 +55,15 @@ def _remove_stale(base: str) -> None:
     for entry in os.listdir(base):
         if entry.startswith(PREFIX) and entry[len(PREFIX):].isdigit():
             if not os.path.exists(f"/proc/{entry[len(PREFIX):]}"):
-                group = os.path.join(base, entry)
-                for child in os.listdir(group):
-                    if os.path.isdir(os.path.join(group, child)):
-                        _rmdir_quiet(os.path.join(group, child))
-                _rmdir_quiet(group)
+                _remove_group(os.path.join(base, entry))
+
+
+def _remove_group(group: str) -> None:
+    """A server's group and its workers' groups below it (empty once their processes are gone)."""
+    for child in os.listdir(group):
+        if os.path.isdir(os.path.join(group, child)):
+            _rmdir_quiet(os.path.join(group, child))
+    _rmdir_quiet(group)
 
 
 def _rmdir_quiet(path: str) -> None:
@@ -151,7 +155,4 @@ class CgroupSet:
 
     def destroy(self) -> None:
         for group in self.groups.values():
-            for child in os.listdir(group):
-                if os.path.isdir(os.path.join(group, child)):
-                    _rmdir_quiet(os.path.join(group, child))
-            _rmdir_quiet(group)
+            _remove_group(group)

@@ -233,9 +233,6 @@ class _Zygote:
         if c is self.spare:  # the server may hold its channel too: it must not use it any more
             send_msg(self.ctl, {"op": "spare_gone", "key": c.key})
         self.spare = None
-        timeout = msg.get("timeout")
-        c.id, c.started = msg["id"], time.monotonic()
-        c.deadline = c.started + timeout if timeout else None
         assert c.channel is not None
         try:
             send_msg(c.channel, msg, fds)
@@ -243,8 +240,7 @@ class _Zygote:
             pass  # the child died preparing; its exit (reported below) fails the run
         for fd in fds:
             os.close(fd)
-        c.channel.close()
-        c.channel = None
+        self._assign(c, msg)
 
     def _claimed(self, msg: dict[str, Any]) -> None:
         c = next((c for c in self.children.values() if c.key == msg["spare"] and c.id is None), None)
@@ -256,6 +252,11 @@ class _Zygote:
             return
         if c is self.spare:
             self.spare = None
+        self._assign(c, msg)
+
+    @staticmethod
+    def _assign(c: _Child, msg: dict[str, Any]) -> None:
+        """`c` now runs `msg`'s run: its id, start and deadline; our end of its channel is closed."""
         timeout = msg.get("timeout")
         c.id, c.started = msg["id"], time.monotonic()
         c.deadline = c.started + timeout if timeout else None
