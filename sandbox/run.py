@@ -171,7 +171,7 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
     payload = json.dumps({"code": job.code, "stdin": job.stdin, "files": job.files,
                           "fetch_files": job.fetch_files, "args": job.args}).encode()
     sender = _send_now(loop, sock, payload)
-    report = OutputCapture(os.dup(sock.fileno()), settings.max_fetch_bytes * 2 + (1 << 20))
+    report = OutputCapture(os.dup(sock.fileno()), settings.max_report_bytes)
     try:
         # EOF on the report socket comes either with the child's own report (it killed and reaped
         # everything else first) or when it died (timeout, OOM, os._exit): then the zygote's word counts.
@@ -255,11 +255,17 @@ def _checked_report(data: bytearray) -> dict[str, Any]:
         return {}
     if not isinstance(report, dict):
         return {}
+    check_files_and_time(report)
+    if not isinstance(report.get("error", ""), str):
+        report["error"] = "the run's report was malformed"
+    return report
+
+
+def check_files_and_time(report: dict[str, Any]) -> None:
+    """Reset a child's `files` (a dict of strings) and `time` (a number) where they are not that: reports
+    and session replies come over a socket the program can write to."""
     files = report.get("files") or {}
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         report["files"] = {}
     if not isinstance(report.get("time"), (int, float)):
         report["time"] = None
-    if not isinstance(report.get("error", ""), str):
-        report["error"] = "the run's report was malformed"
-    return report

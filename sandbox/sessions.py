@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,9 +24,9 @@ from typing import Any
 from sandbox.cgroups import CgroupSet
 from sandbox.models import SessionRunRequest
 from sandbox.pool import Zygote
-from sandbox.run import Outcome, OutputCapture, ZygoteDied, limits_for, open_channels
+from sandbox.run import Outcome, OutputCapture, ZygoteDied, check_files_and_time, limits_for, open_channels
 from sandbox.settings import Settings
-from sandbox.wire import encode_frame
+from sandbox.wire import FRAME_HEADER, encode_frame
 
 INTERRUPT_GRACE_S = 2.0
 
@@ -184,8 +183,7 @@ class SessionManager:
                            files=reply.get("files") or {})
 
     async def _reply(self, session: Session, timeout: float) -> dict[str, Any] | None:
-        limit = self.settings.max_fetch_bytes * 2 + (1 << 20)
-        read = asyncio.ensure_future(_read_frame(session.reader, limit))
+        read = asyncio.ensure_future(_read_frame(session.reader, self.settings.max_report_bytes))
         done, _ = await asyncio.wait([read], timeout=timeout)
         if done:
             return read.result()
@@ -225,7 +223,7 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any
     """The session's reply, or None when the session is gone or sent something that is not a reply
     (the socket is reachable from the session's own code: its frames are checked like any input)."""
     try:
-        (length,) = struct.unpack(">I", await reader.readexactly(4))
+        (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
         if length > limit:
             return None
         reply = json.loads(await reader.readexactly(length))
@@ -233,11 +231,7 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any
         return None
     if not isinstance(reply, dict) or not isinstance(reply.get("code"), int):
         return None
-    files = reply.get("files")
-    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
-        reply["files"] = {}
-    if not isinstance(reply.get("time"), (int, float)):
-        reply["time"] = None
+    check_files_and_time(reply)
     if not isinstance(reply.get("error") or "", str):
         reply["error"] = "the session's reply was malformed"
     return reply

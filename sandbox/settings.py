@@ -63,3 +63,8 @@ class Settings:
         if requested_mb is None or requested_mb <= 0:
             return self.default_memory_mb
         return min(int(requested_mb), self.max_memory_mb)
+
+    @property
+    def max_report_bytes(self) -> int:
+        """Largest report a run or session call may send back: fetched files base64-encoded, plus room."""
+        return self.max_fetch_bytes * 2 + (1 << 20)

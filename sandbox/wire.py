@@ -15,7 +15,7 @@ import struct
 from typing import Any
 
 MAX_CONTROL_BYTES = 64 * 1024
-_LEN = struct.Struct(">I")
+FRAME_HEADER = struct.Struct(">I")
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -38,7 +38,7 @@ def recv_msg(sock: socket.socket, max_fds: int = 8) -> tuple[dict[str, Any] | No
 
 def encode_frame(msg: dict[str, Any]) -> bytes:
     data = json.dumps(msg).encode()
-    return _LEN.pack(len(data)) + data
+    return FRAME_HEADER.pack(len(data)) + data
 
 
 def read_exact_fd(fd: int, n: int) -> bytes | None:
@@ -54,10 +54,10 @@ def read_exact_fd(fd: int, n: int) -> bytes | None:
 
 def read_frame_fd(fd: int, limit: int) -> dict[str, Any] | None:
     """A length-prefixed JSON frame from a blocking fd; None at EOF. Frames over `limit` are refused."""
-    head = read_exact_fd(fd, _LEN.size)
+    head = read_exact_fd(fd, FRAME_HEADER.size)
     if head is None:
         return None
-    (length,) = _LEN.unpack(head)
+    (length,) = FRAME_HEADER.unpack(head)
     if length > limit:
         raise ValueError(f"frame of {length} bytes exceeds the {limit}-byte limit")
     body = read_exact_fd(fd, length)
