@@ -28,7 +28,15 @@ from retriever.corpus import CorpusReader
 from retriever.docstore import DocStoreWriter
 from retriever.encoder import DEFAULT_ENCODER, EncoderSpec, resolve_encoder
 from retriever.errors import RetrieverError
-from retriever.manifest import DENSE_TYPES, Bm25Info, CorpusInfo, EncoderInfo, Manifest, write_manifest
+from retriever.manifest import (
+    DENSE_TYPES,
+    Bm25Info,
+    CorpusInfo,
+    EncoderInfo,
+    Manifest,
+    partial_dir,
+    write_manifest,
+)
 
 STATE_FILE = "build_state.json"
 SHARDS_DIR, TOKENS_DIR, EMBEDDINGS_DIR = "shards", "tokens", "embeddings"
@@ -76,10 +84,6 @@ class BuildState:
     first_errors: list[str] = field(default_factory=list)
     encoded: bool = False
     encode_seconds: float = 0.0
-
-
-def partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

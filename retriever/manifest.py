@@ -69,11 +69,16 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     (directory / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
 
 
+def partial_dir(out: Path) -> Path:
+    """Where a build of `out` is written until it is complete (then renamed to `out`)."""
+    return out.with_name(out.name + ".partial")
+
+
 def read_manifest(directory: Path) -> Manifest:
     """Load and check a manifest, with errors that say what the directory is instead."""
     path = directory / MANIFEST_FILE
     if not directory.is_dir():
-        partial = directory.with_name(directory.name + ".partial")
+        partial = partial_dir(directory)
         hint = f"; an unfinished build is in {partial} (run the same build command to resume it)" if partial.exists() else ""
         raise RetrieverError(f"{directory}: no such index directory{hint}")
     if not path.exists():
