@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from agentrl.algo import AlgoConfig
-from agentrl.algo.loss import aggregation_weights, masked_sum, value_loss
+from agentrl.algo.loss import masked_sum, value_loss
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import Batch, MicroBatch
-from agentrl.learner.worker import Worker, load_causal_lm, model_inputs
+from agentrl.learner.worker import Worker, load_causal_lm, loss_weights, model_inputs
 
 
 class ValueModule(nn.Module):
@@ -60,12 +60,8 @@ class CriticWorker(Worker):
         assert mb.returns_T is not None and mb.old_values_T is not None
         values_T = self.module(mb)
         loss_T, clipped_T = value_loss(values_T, mb.old_values_T, mb.returns_T, self.algo.value_clip)
-        weights_T = aggregation_weights(
-            mb.loss_mask_T, mb.seq_index_T, len(mb.rows), self.algo.loss_agg, batch.num_loss_tokens,
-            batch.num_loss_sequences, self.algo.loss_norm_tokens or batch.max_response_len,
-        )
+        weights_T, token_mean_T = loss_weights(mb, batch, self.algo)
         loss = masked_sum(loss_T, weights_T)
-        token_mean_T = mb.loss_mask_T / max(batch.num_loss_tokens, 1)
         return loss, {
             "value_loss": loss,
             "value_clip_frac": masked_sum(clipped_T, token_mean_T),

@@ -14,12 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from agentrl.algo import AlgoConfig
-from agentrl.algo.loss import aggregation_weights, kl_penalty, masked_sum, ppo_clip_loss, truncated_is_weights
+from agentrl.algo.loss import kl_penalty, masked_sum, ppo_clip_loss, truncated_is_weights
 from agentrl.learner import checkpoint
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.logprobs import token_logprobs
 from agentrl.learner.packing import Batch, MicroBatch
-from agentrl.learner.worker import Worker, load_causal_lm, model_inputs
+from agentrl.learner.worker import Worker, load_causal_lm, loss_weights, model_inputs
 
 
 class PolicyModule(nn.Module):
@@ -74,15 +74,11 @@ class PolicyWorker(Worker):
         pg_T, clipped_T = ppo_clip_loss(logprobs_T, old_T, mb.advantages_T, algo.clip_low, algo.clip_high,
                                         algo.dual_clip)
         stats: dict[str, Tensor] = {}
-        token_mean_T = mb.loss_mask_T / max(batch.num_loss_tokens, 1)
+        weights_T, token_mean_T = loss_weights(mb, batch, algo)
         if algo.tis_cap is not None:
             tis_T = truncated_is_weights(old_T, mb.engine_logprobs_T, algo.tis_cap)
             pg_T = pg_T * tis_T
             stats["tis_weight"] = masked_sum(tis_T, token_mean_T)
-        weights_T = aggregation_weights(
-            mb.loss_mask_T, mb.seq_index_T, len(mb.rows), algo.loss_agg, batch.num_loss_tokens,
-            batch.num_loss_sequences, algo.loss_norm_tokens or batch.max_response_len,
-        )
         pg_loss = masked_sum(pg_T, weights_T)
         loss = pg_loss
         if use_kl:

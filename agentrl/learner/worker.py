@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from agentrl.algo import AlgoConfig
+from agentrl.algo.loss import aggregation_weights
 from agentrl.engine import bucket_by_bytes
 from agentrl.learner import checkpoint
 from agentrl.learner.attention import enable_packed_attention
@@ -52,6 +54,16 @@ def model_inputs(mb: MicroBatch) -> dict[str, object]:
         "max_length_q": mb.max_seqlen,
         "max_length_k": mb.max_seqlen,
     }
+
+
+def loss_weights(mb: MicroBatch, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Per-token weights of `mb` under the algorithm's loss aggregation over the whole `batch`, and the
+    plain token-mean weights (for metrics): sum(w * x) is then the batch's share of this micro-batch."""
+    weights_T = aggregation_weights(
+        mb.loss_mask_T, mb.seq_index_T, len(mb.rows), algo.loss_agg, batch.num_loss_tokens,
+        batch.num_loss_sequences, algo.loss_norm_tokens or batch.max_response_len,
+    )
+    return weights_T, mb.loss_mask_T / max(batch.num_loss_tokens, 1)
 
 
 class Worker:
