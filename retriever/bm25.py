@@ -2,7 +2,7 @@
 
 Building: build.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
 stopwords, no stemming), writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` + `.lens.npy`)
-and snapshotting the growing vocabulary, so an interrupted build resumes. `build_bm25` then feeds the shards
+and appending the words each shard adds to a vocabulary log, so an interrupted build resumes. `build_bm25` then feeds the shards
 to bm25s as a lazy sequence (bm25s walks it a few times; no list of 21M token lists is ever held) and saves
 the sparse score matrix into `bm25/`. Searching maps that matrix (`mmap=True`); documents that share no
 term with the query (score 0) are not returned, and a query without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's,

@@ -12,6 +12,7 @@ reindex.py rebuilds another dense index type from a finished directory without r
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from retriever.manifest import (
 
 STATE_FILE = "build_state.json"
 SHARDS_DIR, TOKENS_DIR, EMBEDDINGS_DIR = "shards", "tokens", "embeddings"
-VOCAB_SNAPSHOT = "tokenizer_vocab.partial.json"
+VOCAB_LOG = "tokenizer_vocab.partial.jsonl"  # BM25: the vocabulary so far, one JSON word a line, in id order
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,35 @@ class BuildState:
     first_errors: list[str] = field(default_factory=list)
     encoded: bool = False
     encode_seconds: float = 0.0
+    vocab_terms: int = 0  # BM25: committed words of VOCAB_LOG ...
+    vocab_bytes: int = 0  # ... and its committed length (a resume cuts off what came after)
+
+
+def load_vocab(path: Path, terms: int, nbytes: int) -> dict[str, int]:
+    """The committed BM25 vocabulary (word -> id) from the append-only VOCAB_LOG, after cutting off what an
+    interrupted commit wrote past `nbytes`."""
+    if not path.exists():
+        return {}
+    os.truncate(path, nbytes)
+    with open(path, encoding="utf-8") as f:
+        words = [json.loads(line) for line in f]
+    if len(words) != terms:
+        raise RetrieverError(f"{path}: {len(words)} words, the build state says {terms}; pass --restart")
+    return {word: i for i, word in enumerate(words)}
+
+
+def append_vocab(path: Path, word_to_id: dict[str, int], terms: int, nbytes: int) -> tuple[int, int]:
+    """Append the words added since the last commit (the first `terms` are already there) and sync; returns
+    the new (terms, nbytes). Each commit writes only its new words, not the whole vocabulary again."""
+    new = list(itertools.islice(word_to_id.items(), terms, None))
+    if any(wid != terms + i for i, (_, wid) in enumerate(new)):
+        raise RetrieverError("the BM25 tokenizer numbered its words out of insertion order; cannot log them")
+    data = "".join(json.dumps(word, ensure_ascii=False) + "\n" for word, _ in new).encode()
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return terms + len(new), nbytes + len(data)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -208,8 +238,7 @@ def _encode_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state
                                precision=cfg.precision)
     tokenizer = None
     if spec is None:
-        snapshot = work / VOCAB_SNAPSHOT
-        tokenizer = bm25.new_tokenizer(word_to_id=json.loads(snapshot.read_text()) if snapshot.exists() else None)
+        tokenizer = bm25.new_tokenizer(word_to_id=load_vocab(work / VOCAB_LOG, state.vocab_terms, state.vocab_bytes))
     corpus_bytes = cfg.corpus.stat().st_size if cfg.corpus.is_file() else 0
     docs = DocStoreWriter(work, rows=state.rows, nbytes=state.docs_bytes)
     bar = tqdm(desc=f"encode {cfg.index_type}", unit="passage", initial=state.rows, disable=not cfg.progress, smoothing=0.1)
@@ -227,7 +256,8 @@ def _encode_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state
             tmp.rename(shard_dir / f"{state.shards:05d}.npy")
         else:
             bm25.save_shard(shard_dir, state.shards, *bm25.tokenize_passages(tokenizer, texts))
-            atomic_write_json(work / VOCAB_SNAPSHOT, tokenizer.word_to_id)
+            state.vocab_terms, state.vocab_bytes = append_vocab(
+                work / VOCAB_LOG, tokenizer.word_to_id, state.vocab_terms, state.vocab_bytes)
             bar.update(len(texts))
         state.rows, state.docs_bytes = docs.commit()
         state.encode_seconds = encode_before + time.time() - session_started
@@ -319,7 +349,7 @@ def _index_bm25(cfg: BuildConfig, work: Path, state: BuildState) -> dict[str, An
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
-    tokenizer = bm25.new_tokenizer(word_to_id=json.loads((work / VOCAB_SNAPSHOT).read_text()))
+    tokenizer = bm25.new_tokenizer(word_to_id=load_vocab(work / VOCAB_LOG, state.vocab_terms, state.vocab_bytes))
     _log(cfg, f"building bm25 index over {state.rows} passages ({len(tokenizer.word_to_id)} terms)")
     bm25.build_bm25(work / TOKENS_DIR, state.shards, state.rows, tokenizer, out, cfg.k1, cfg.b, bm25.DEFAULT_METHOD)
     return {"k1": cfg.k1, "b": cfg.b, "terms": len(tokenizer.word_to_id)}
@@ -334,7 +364,7 @@ def _finish(cfg: BuildConfig, work: Path, manifest: Manifest) -> None:
     for leftover in (SHARDS_DIR, TOKENS_DIR):
         if (work / leftover).exists():
             shutil.rmtree(work / leftover)
-    for leftover in (VOCAB_SNAPSHOT, STATE_FILE):
+    for leftover in (VOCAB_LOG, STATE_FILE):
         (work / leftover).unlink(missing_ok=True)
     publish(work, cfg.out, cfg.overwrite)
     _log(cfg, f"wrote {cfg.out}: {manifest.index_type}, {manifest.corpus.rows} passages")
