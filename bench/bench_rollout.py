@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
     ap.add_argument("--admission-ms", default="0", help="comma list: the async loop once per VLLMEngine admission interval")
+    ap.add_argument("--cudagraph-modes", default="default",
+                    help="comma list: one engine per vLLM cudagraph_mode (default = vLLM's FULL_AND_PIECEWISE: full "
+                         "graphs for pure-decode steps only; FULL = full graphs for mixed prefill+decode steps too)")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -134,7 +137,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from agentrl.engine.random_model import write_random_checkpoint
-    from agentrl.engine.vllm import VLLMEngine
+    from agentrl.engine.vllm import VLLMEngine, wait_for_free_gpu_memory
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=16384, device="cuda")
@@ -142,42 +145,47 @@ def main() -> None:
     for i in range(args.trajectories):
         ids = tok.encode(f"Question {i}: " + "think about numbers " * (20 + i % 40))
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
-    t0 = time.perf_counter()
-    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384)
-    start_s = time.perf_counter() - t0
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
-    rows = []
-    for dist in args.dists.split(","):
-        lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
-        waves = [float(x) for x in args.admission_ms.split(",")]
-        runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
-        for name, wave_ms in runs:
-            engine.admission_interval_s = wave_ms / 1000
-            t0 = time.perf_counter()
-            if name == "plain":
-                generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
-            else:
-                generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
-            seconds = time.perf_counter() - t0
-            label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
-            rows.append({"dist": dist, "mode": label, "generated_tokens": generated, "seconds": round(seconds, 2),
-                         "tokens_per_s": round(generated / seconds), **extra})
-        engine.admission_interval_s = 0.0
+    rows, start_s = [], {}
+    for graphs in args.cudagraph_modes.split(","):
+        t0 = time.perf_counter()
+        kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
+        engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384, **kwargs)
+        start_s[graphs] = time.perf_counter() - t0
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
+        for dist in args.dists.split(","):
+            lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
+            waves = [float(x) for x in args.admission_ms.split(",")]
+            runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
+            for name, wave_ms in runs:
+                engine.admission_interval_s = wave_ms / 1000
+                t0 = time.perf_counter()
+                if name == "plain":
+                    generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
+                else:
+                    generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
+                seconds = time.perf_counter() - t0
+                label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
+                rows.append({"graphs": graphs, "dist": dist, "mode": label, "generated_tokens": generated,
+                             "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
+                print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
+        loop.run_until_complete(engine.aclose())
+        loop.close()
+        del engine
+        wait_for_free_gpu_memory(0.85)
     print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
-          f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start {start_s:.0f}s")
+          f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start (s) {start_s}")
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
-    print("\n| turn lengths | mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        base = {x["mode"]: x["tokens_per_s"] for x in rows if x["dist"] == r["dist"]}
-        print(f"| {r['dist']} | {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
+        base = {x["mode"]: x["tokens_per_s"] for x in rows if x["dist"] == r["dist"] and x["graphs"] == r["graphs"]}
+        print(f"| {r['graphs']} | {r['dist']} | {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
               f"{r['tokens_per_s'] / base['plain']:.2f} | {r['tokens_per_s'] / base['turn_sync']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)
-    loop.run_until_complete(engine.aclose())
 
 
 if __name__ == "__main__":
