@@ -10,8 +10,11 @@ build.py calls the builder; searcher.py loads and searches.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,43 @@ def set_threads(threads: int | None) -> None:
 
 
 def gpu_count() -> int:
-    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+    """GPUs faiss can build and search on: 0 without faiss-gpu, without GPUs, or where faiss-gpu's kernels
+    do not run on them (see `probe_gpu_kernels`)."""
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        return 0
+    usable, reason = probe_gpu_kernels()
+    if not usable:
+        print(f"faiss-gpu cannot run on these GPUs, using the CPU: {reason}", file=sys.stderr)
+        return 0
+    return faiss.get_num_gpus()
+
+
+_PROBE = """
+import numpy as np, faiss
+from retriever.faiss_index import _to_all_gpus
+x = np.random.default_rng(0).standard_normal((64, 32)).astype("float32")
+cpu = faiss.IndexFlatIP(32)
+cpu.add(x)
+assert (_to_all_gpus(cpu).search(x[:4], 1)[1][:, 0] == np.arange(4)).all(), "wrong nearest neighbours"
+"""
+
+
+@lru_cache(maxsize=1)
+def probe_gpu_kernels() -> tuple[bool, str]:
+    """Clone a tiny index to every GPU as `_to_all_gpus` does and search it, in a child process: a faiss-gpu
+    build without kernels for these GPUs (PyPI's faiss-gpu-cu12 1.14 on Hopper: "no kernel image is
+    available") aborts the process instead of raising. Returns (usable, the failure's last line)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return False, "the faiss-gpu probe did not finish in 600 s"
+    if done.returncode == 0:
+        return True, ""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    detail = next((line for line in reversed(lines) if "error" in line.lower() or "assert" in line.lower()), None)
+    return False, (detail or (lines[-1] if lines else f"exit status {done.returncode}")).strip()
 
 
 def _wants_gpu(index_type: str, use_gpu: bool) -> bool:

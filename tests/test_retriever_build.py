@@ -199,3 +199,17 @@ def test_kept_embeddings_reindex_to_the_same_vectors(tmp_path, tiny_encoder):
     assert (manifest.index_type, manifest.corpus.rows, manifest.build["reindexed_from"]) == ("flat", 8, str(tmp_path / "hnsw"))
     np.testing.assert_array_equal(_vectors(tmp_path / "flat"), kept)
     assert DocStore(tmp_path / "flat").get_many(list(range(8))) == HAND_CORPUS
+
+
+def test_gpu_probe_names_why_faiss_cannot_use_gpus():
+    """A faiss-gpu build without kernels for the GPUs aborts the process rather than raising, so the GPU
+    path is probed in a child process, whose failure is reported by its error line. With faiss-cpu the
+    child fails at the GPU cloner (on the GPU machine, tests/gpu/test_retriever_gpu.py covers the rest)."""
+    from retriever import faiss_index
+
+    if hasattr(faiss, "StandardGpuResources"):
+        pytest.skip("this faiss has GPU support: tests/gpu covers it")
+    usable, reason = faiss_index.probe_gpu_kernels.__wrapped__()
+    assert not usable
+    assert reason == "AttributeError: module 'faiss' has no attribute 'GpuMultipleClonerOptions'"
+    assert faiss_index.gpu_count() == 0

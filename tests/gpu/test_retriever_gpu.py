@@ -41,11 +41,15 @@ def test_fp16_encoder_on_gpu_matches_float32_on_cpu(tiny_encoder):
 
 
 def test_faiss_gpu_flat_and_ivfpq_against_cpu(tmp_path, tiny_encoder):
-    from retriever.faiss_index import gpu_count
+    import faiss
+
+    from retriever.faiss_index import gpu_count, probe_gpu_kernels
     from retriever.searcher import open_index
 
-    if gpu_count() == 0:
+    if not hasattr(faiss, "StandardGpuResources"):
         pytest.skip("faiss has no GPU support here (install faiss-gpu)")
+    if gpu_count() == 0:
+        pytest.skip(f"this faiss-gpu build cannot run on these GPUs: {probe_gpu_kernels()[1]}")
     path, corpus = synthetic_corpus_file(tmp_path / "corpus.jsonl", 2000)
     settings = {"encoder": str(tiny_encoder), "precision": "float32"}
     build_index(path, tmp_path / "flat-cpu", "flat", use_gpu=False, **settings)

@@ -86,6 +86,10 @@ def test_two_gpu_layout_matches_hf_and_takes_weight_updates(setup, layout):
         print(f"\n{layout}: greedy ids equal HF's on {same_a}/{N_PROMPTS} prompts before the update (model a), "
               f"{same_b}/{N_PROMPTS} after it (model b)")
         assert same_a >= 0.95 * N_PROMPTS
-        assert same_b >= 0.95 * N_PROMPTS  # a replica or shard the update missed would still answer as model a
+        # A shard or replica the update missed answers as model a, which agrees with b on few prompts (checked
+        # here), so a miss fails this bound; model b under tensor parallelism met float near-ties on 2 of 32
+        # prompts (an H200 pair, 2026-11-30).
+        assert sum(a == b for a, b in zip(s["expected"]["a"], s["expected"]["b"], strict=True)) <= 0.25 * N_PROMPTS
+        assert same_b >= 0.9 * N_PROMPTS
     finally:
         loop.run_until_complete(engine.aclose())
