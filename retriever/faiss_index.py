@@ -135,6 +135,19 @@ def _to_all_gpus(index: faiss.Index) -> faiss.Index:
     return faiss.index_cpu_to_all_gpus(index, co=options)
 
 
+def _onto_gpus(index: faiss.Index, index_type: str, use_gpu: bool) -> tuple[faiss.Index, bool]:
+    """`index` sharded over every GPU when wanted and possible, else itself; and whether it went. faiss-gpu
+    refuses indexes it cannot hold, such as IVF-PQ with codes of other than 8 bits (the automatic choice
+    below 2,560 passages): those stay on the CPU, said on stderr."""
+    if not _wants_gpu(index_type, use_gpu):
+        return index, False
+    try:
+        return _to_all_gpus(index), True
+    except RuntimeError as e:
+        print(f"faiss-gpu cannot hold this index ({str(e).strip().splitlines()[-1]}); using the CPU", file=sys.stderr)
+        return index, False
+
+
 def build_faiss(
     index_type: str,
     dim: int,
@@ -144,14 +157,7 @@ def build_faiss(
     use_gpu: bool,
 ) -> faiss.Index:
     """Train (IVF-PQ, on `sample(train_size)`), then add every shard; returns a CPU index to write."""
-    index = make_index(index_type, dim, params)
-    on_gpu = _wants_gpu(index_type, use_gpu)
-    if on_gpu:
-        try:
-            index = _to_all_gpus(index)
-        except RuntimeError as e:  # e.g. a PQ size the GPU kernels do not support
-            print(f"faiss-gpu cannot hold this index ({e}); building on the CPU", file=sys.stderr)
-            on_gpu = False
+    index, on_gpu = _onto_gpus(make_index(index_type, dim, params), index_type, use_gpu)
     if not index.is_trained:
         index.train(np.ascontiguousarray(sample(params["train_size"]), dtype=np.float32))
     for chunk in shards():
@@ -176,9 +182,7 @@ class FaissSearch:
         faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
-        self.on_gpu = _wants_gpu(index_type, use_gpu)
-        if self.on_gpu:
-            index = _to_all_gpus(index)
+        index, self.on_gpu = _onto_gpus(index, index_type, use_gpu)
         space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
         if index_type == "ivfpq":
             space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
