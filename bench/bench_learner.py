@@ -43,8 +43,7 @@ QWEN25_15B = SHAPES["qwen2.5-1.5b"] | dict(vocab_size=151936, max_position_embed
 TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
 # name: (torch.compile, activation checkpointing, keep logits for backward)
 VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "compiled_keep": (True, False, True),
-            "compiled_ac": (True, True, False), "eager_ac": (False, True, False),
-            "compiled_keep_cpp": (True, False, True)}  # + inductor's C++ wrapper: kernels launched from C++
+            "compiled_ac": (True, True, False), "eager_ac": (False, True, False)}
 
 
 @dataclass
@@ -157,9 +156,6 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
     compiled, ac, keep = VARIANTS[name]
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp_wrapper = name.endswith("_cpp")  # an experiment: launch overhead bounds 4k micro-batches
     config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep,
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
@@ -402,7 +398,7 @@ def main() -> None:
             report += ["| loop | useful tokens/s | padding | peak GiB | ours / it |", "|---|---|---|---|---|",
                        *setup.rl_rows]
         else:
-            report += ["(padded baseline: measured on 1 GPU only)"]
+            report += ["(padded baseline: not run: " + ("--no-baseline)" if args.no_baseline else "measured on 1 GPU only)")]
     if setup.mem_rows:
         report += ["", f"## Peak memory vs micro-batch size ({args.memory_variant}; one row of that many tokens; "
                    "2 micro-batches per step)", "",

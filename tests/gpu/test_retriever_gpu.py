@@ -5,7 +5,10 @@
 The encoder on CUDA runs in fp16 by default and must agree with the float32 CPU encoder to fp16's
 precision; with faiss-gpu, a Flat index built and searched on the GPUs must return the CPU Flat's hits,
 and IVF-PQ built on the GPUs must keep its recall against Flat. Needs faiss (faiss-gpu for the second
-test), bm25s and the project's other retriever dependencies importable there.
+test), bm25s and the project's other retriever dependencies importable there. On Hopper GPUs, PyPI's
+`faiss-gpu` 1.15.1 has kernels (`faiss-gpu-cu12` 1.14.1 does not: the second test then skips, naming
+faiss's error); beside a CUDA 13 torch it needs `nvidia-cublas-cu12`, `nvidia-cuda-runtime-cu12` and
+`nvidia-curand-cu12` in one `nvidia/` namespace directory on the path.
 """
 
 from __future__ import annotations
