@@ -41,9 +41,11 @@ from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
 QWEN25_15B = SHAPES["qwen2.5-1.5b"] | dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                                           rms_norm_eps=1e-6)
 TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
-# name: (torch.compile, activation checkpointing, keep logits for backward)
-VARIANTS = {"eager": (False, False, False), "compiled": (True, False, False), "compiled_keep": (True, False, True),
-            "compiled_ac": (True, True, False), "eager_ac": (False, True, False)}
+# name: (torch.compile, activation checkpointing, keep logits for backward, FSDP unit)
+VARIANTS = {"eager": (False, False, False, "block"), "compiled": (True, False, False, "block"),
+            "compiled_keep": (True, False, True, "block"), "compiled_ac": (True, True, False, "block"),
+            "eager_ac": (False, True, False, "block"),
+            "compiled_model": (True, False, True, "model")}  # the decoder stack as one graph, one FSDP unit
 
 
 @dataclass
@@ -155,8 +157,8 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 
 
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
-    compiled, ac, keep = VARIANTS[name]
-    config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep,
+    compiled, ac, keep, unit = VARIANTS[name]
+    config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep, fsdp_unit=unit,
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
     warmup = 2 if compiled else 1

@@ -35,14 +35,14 @@ def _step(worker: PolicyWorker, batch: Batch, advantages: torch.Tensor) -> tuple
     return worker.train_step(batch), old
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool, unit: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     trajs, advantages = _inputs()
     batch = pack(trajs, CONFIG.token_budget, world_size=world)[rank]
     assert len(batch.micro_batches) > 1  # gradient accumulation across micro-batches is part of the check
-    config = CONFIG.model_copy(update={"reshard_after_forward": reshard})
+    config = CONFIG.model_copy(update={"reshard_after_forward": reshard, "fsdp_unit": unit})
     worker = PolicyWorker(config, ALGO, model=tiny_lm(seed=1))
     metrics, old = _step(worker, batch, advantages)
     state = dict(worker.state_for_sync())
@@ -60,10 +60,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
-def test_two_ranks_equal_one_process_and_resume(tmp_path: Path, reshard: bool) -> None:
-    """Also with weights kept gathered across a step's micro-batches (reshard_after_forward=False)."""
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), reshard), nprocs=2, join=True)
+@pytest.mark.parametrize(("reshard", "unit"), [(True, "block"), (False, "block"), (True, "model")],
+                         ids=["reshard", "keep-gathered", "model-unit"])
+def test_two_ranks_equal_one_process_and_resume(tmp_path: Path, reshard: bool, unit: str) -> None:
+    """Also with weights kept gathered across a step's micro-batches (reshard_after_forward=False), and with
+    the whole model as the one FSDP unit; the one-process reference shards block by block."""
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), reshard, unit), nprocs=2, join=True)
     two = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     trajs, advantages = _inputs()

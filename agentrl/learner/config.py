@@ -51,7 +51,11 @@ class LearnerConfig(StrictModel):
     )
     temperature: float = Field(1.0, gt=0.0, description="logits are divided by it: the sampling temperature")
     activation_checkpointing: bool = False
-    compile: bool = Field(False, description="torch.compile each decoder block and the logprob math")
+    compile: bool = Field(False, description="torch.compile each decoder block (each FSDP unit) and the logprob math")
+    fsdp_unit: Literal["block", "model"] = Field(
+        "block", description="FSDP unit: each decoder block (weights gathered block by block), or the whole "
+        "model (gathered at once: one GPU, or 16-bit weights that fit on each GPU; compiled as one graph)"
+    )
     reshard_after_forward: bool = Field(
         True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
     )

@@ -89,11 +89,12 @@ class Worker:
             for param in module.parameters():  # a frozen model needs no float32 master copy; buffers (RoPE
                 param.data = param.data.to(self.compute_dtype)  # frequencies) stay float32 as in the policy
         self.module = shard(
-            module, decoder_blocks(hf_model), ctx,
+            module, hf_model.base_model, decoder_blocks(hf_model), ctx,
             param_dtype=self.compute_dtype if trainable and use_bf16 else None,
             reshard_after_forward=config.reshard_after_forward,
             activation_checkpointing=config.activation_checkpointing and trainable,
-            compile_blocks=config.compile,
+            compile=config.compile,
+            unit=config.fsdp_unit,
         )
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None

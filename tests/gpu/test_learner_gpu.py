@@ -95,11 +95,14 @@ def test_packed_bf16_matches_padded_transformers() -> None:
     assert metrics["actor/step_skipped"] == 0.0 and torch.isfinite(torch.tensor(metrics["actor/loss"]))
 
 
-def test_compiled_matches_eager() -> None:
+@pytest.mark.parametrize("unit", ["block", "model"])
+def test_compiled_matches_eager(unit: str) -> None:
+    """Compiled block by block, or the whole decoder stack as one graph (fsdp_unit="model")."""
     lm, trajs = _setup(seed=1)
     config = dict(device="cuda", token_budget=512, logprob_chunk_tokens=256)
     eager = PolicyWorker(LearnerConfig(**config), AlgoConfig(), model=copy.deepcopy(lm))
-    compiled = PolicyWorker(LearnerConfig(compile=True, activation_checkpointing=True, **config), AlgoConfig(), model=lm)
+    compiled = PolicyWorker(LearnerConfig(compile=True, activation_checkpointing=True, fsdp_unit=unit, **config),
+                            AlgoConfig(), model=lm)
     [batch] = pack(trajs, 512)
     batch.set("advantages", _advantages(trajs))
     mask = response_layout(trajs).mask_BR > 0
