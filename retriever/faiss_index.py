@@ -46,11 +46,7 @@ def gpu_count() -> int:
     do not run on them (see `probe_gpu_kernels`)."""
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         return 0
-    usable, reason = probe_gpu_kernels()
-    if not usable:
-        print(f"faiss-gpu cannot run on these GPUs, using the CPU: {reason}", file=sys.stderr)
-        return 0
-    return faiss.get_num_gpus()
+    return faiss.get_num_gpus() if probe_gpu_kernels()[0] else 0
 
 
 _PROBE = """
@@ -73,12 +69,15 @@ def probe_gpu_kernels() -> tuple[bool, str]:
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return False, "the faiss-gpu probe did not finish in 600 s"
-    if done.returncode == 0:
-        return True, ""
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    detail = next((line for line in reversed(lines) if "error" in line.lower() or "assert" in line.lower()), None)
-    return False, (detail or (lines[-1] if lines else f"exit status {done.returncode}")).strip()
+        reason = "the probe did not finish in 600 s"
+    else:
+        if done.returncode == 0:
+            return True, ""
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        detail = next((line for line in reversed(lines) if "error" in line.lower() or "assert" in line.lower()), None)
+        reason = detail or (lines[-1] if lines else f"exit status {done.returncode}")
+    print(f"faiss-gpu cannot run on these GPUs, using the CPU: {reason}", file=sys.stderr)  # once: cached
+    return False, reason
 
 
 def _wants_gpu(index_type: str, use_gpu: bool) -> bool:
