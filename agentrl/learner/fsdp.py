@@ -87,7 +87,7 @@ def shard(
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     activation_checkpointing: bool,
-    compile: bool,
+    compiled: bool,
     unit: Literal["block", "model"] = "block",
 ) -> nn.Module:
     """Wrap each block (checkpoint -> compile -> fully_shard), then the root; with `unit="model"` only
@@ -99,11 +99,11 @@ def shard(
         if activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if unit == "block":
-            if compile:
+            if compiled:
                 block = torch.compile(block, dynamic=True)
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         parent.register_module(attr, block)
-    if unit == "model" and compile:
+    if unit == "model" and compiled:
         stack.compile(dynamic=True)  # in place: parameter names do not change
     fully_shard(root, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for module in root.modules():

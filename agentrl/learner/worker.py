@@ -93,7 +93,7 @@ class Worker:
             param_dtype=self.compute_dtype if trainable and use_bf16 else None,
             reshard_after_forward=config.reshard_after_forward,
             activation_checkpointing=config.activation_checkpointing and trainable,
-            compile=config.compile,
+            compiled=config.compile,
             unit=config.fsdp_unit,
         )
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
