@@ -41,17 +41,16 @@ def test_padding_masks_are_refused() -> None:
 
 
 @pytest.mark.skipif(attention._resolve_varlen() is None, reason="this torch has no torch.nn.attention.varlen")
-def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decoder block on the GPU path (varlen op, dynamic shapes) is captured as one graph. Traced on CPU:
-    dynamo only needs the op's fake implementation, so the capture is checked without a GPU."""
+@pytest.mark.parametrize("scope", ["block", "stack"])
+def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch, scope: str) -> None:
+    """On the GPU path (varlen op, dynamic shapes) a decoder block, and the whole decoder stack as
+    fsdp_unit="model" compiles it, are each captured as one graph. Traced on CPU: dynamo only needs the
+    op's fake implementation, so the capture is checked without a GPU."""
     lm = tiny_lm().to(torch.bfloat16)
     enable_packed_attention(lm)
     assert attention._VARLEN is not None
     monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)  # the CUDA branch
-    block = lm.model.layers[0]
     pos = torch.tensor([list(range(12)) + list(range(8))])
-    h = torch.randn(1, 20, 64, dtype=torch.bfloat16)
-    cos, sin = lm.model.rotary_emb(h, pos)
     cu = torch.tensor([0, 12, 20], dtype=torch.int32)
     captured = []
 
@@ -62,12 +61,24 @@ def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPat
         captured.append([str(n.target) for n in gm.graph.nodes])
         raise Captured
 
-    def run(h, cos, sin, cu, m):
-        return block(h, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos,
-                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+    if scope == "block":
+        h = torch.randn(1, 20, 64, dtype=torch.bfloat16)
+        cos, sin = lm.model.rotary_emb(h, pos)
 
+        def run(x, cu, m):
+            return lm.model.layers[0](x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos,
+                                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+
+        x = h
+    else:
+        def run(x, cu, m):
+            return lm.model(input_ids=x, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=m, max_length_k=m).last_hidden_state
+
+        x = torch.randint(0, 100, (1, 20))
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Captured"):
-        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(h, cos, sin, cu, 12)
+        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(x, cu, 12)
     torch._dynamo.reset()
-    assert len(captured) == 1 and any("varlen" in t for t in captured[0])
+    calls = sum("varlen" in t for t in captured[0]) if captured else 0
+    assert len(captured) == 1 and calls == (1 if scope == "block" else lm.config.num_hidden_layers)
