@@ -21,7 +21,11 @@ import asyncio
 import json
 import math
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
 from agentrl.rollout import RolloutConfig, rollout
@@ -128,16 +132,38 @@ def main() -> None:
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
     ap.add_argument("--admission-ms", default="0", help="comma list: the async loop once per VLLMEngine admission interval")
     ap.add_argument("--cudagraph-modes", default="default",
-                    help="comma list: one engine per vLLM cudagraph_mode (default = vLLM's FULL_AND_PIECEWISE: full "
-                         "graphs for pure-decode steps only; FULL = full graphs for mixed prefill+decode steps too)")
+                    help="comma list: one engine per vLLM cudagraph_mode, each in its own process (default = vLLM's "
+                         "FULL_AND_PIECEWISE: full graphs for pure-decode steps only; FULL = for mixed steps too)")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
+    modes = args.cudagraph_modes.split(",")
+    if len(modes) == 1:
+        rows, start = measure(args, modes[0])
+        start_s = {modes[0]: start}
+    else:  # a second engine in one process ran 15-20% slower in every mode (BENCHMARKS.md, rollout run 4)
+        rows, start_s = [], {}
+        for mode in modes:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "rows.json"
+                flags = [x for k, v in vars(args).items() if k not in ("cudagraph_modes", "json")
+                         for x in (f"--{k.replace('_', '-')}", str(v))]
+                subprocess.run([sys.executable, __file__, *flags, "--cudagraph-modes", mode, "--json", str(out)],
+                               check=True)
+                done = json.loads(out.read_text())
+            rows += done["rows"]
+            start_s |= done["engine_start_s"]
+    report(args, rows, start_s)
+
+
+def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
+    """Plain, async (once per admission interval) and turn-synchronous rollouts on one engine; and the
+    engine's start-up seconds."""
     from transformers import AutoTokenizer
 
     from agentrl.engine.random_model import write_random_checkpoint
-    from agentrl.engine.vllm import VLLMEngine, wait_for_free_gpu_memory
+    from agentrl.engine.vllm import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=16384, device="cuda")
@@ -145,34 +171,34 @@ def main() -> None:
     for i in range(args.trajectories):
         ids = tok.encode(f"Question {i}: " + "think about numbers " * (20 + i % 40))
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
-    rows, start_s = [], {}
-    for graphs in args.cudagraph_modes.split(","):
-        t0 = time.perf_counter()
-        kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
-        engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384, **kwargs)
-        start_s[graphs] = time.perf_counter() - t0
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
-        for dist in args.dists.split(","):
-            lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
-            waves = [float(x) for x in args.admission_ms.split(",")]
-            runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
-            for name, wave_ms in runs:
-                engine.admission_interval_s = wave_ms / 1000
-                t0 = time.perf_counter()
-                if name == "plain":
-                    generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
-                else:
-                    generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
-                seconds = time.perf_counter() - t0
-                label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
-                rows.append({"graphs": graphs, "dist": dist, "mode": label, "generated_tokens": generated,
-                             "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
-                print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
-        loop.run_until_complete(engine.aclose())
-        loop.close()
-        del engine
-        wait_for_free_gpu_memory(0.85)
+    t0 = time.perf_counter()
+    kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
+    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384, **kwargs)
+    start_s = round(time.perf_counter() - t0, 1)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
+    rows = []
+    for dist in args.dists.split(","):
+        lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
+        waves = [float(x) for x in args.admission_ms.split(",")]
+        runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
+        for name, wave_ms in runs:
+            engine.admission_interval_s = wave_ms / 1000
+            t0 = time.perf_counter()
+            if name == "plain":
+                generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
+            else:
+                generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
+            seconds = time.perf_counter() - t0
+            label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
+            rows.append({"graphs": graphs, "dist": dist, "mode": label, "generated_tokens": generated,
+                         "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
+            print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
+    loop.run_until_complete(engine.aclose())
+    return rows, start_s
+
+
+def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]) -> None:
     print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
           f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start (s) {start_s}")
     for dist in args.dists.split(","):
@@ -186,7 +212,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)
-
 
 if __name__ == "__main__":
     main()
