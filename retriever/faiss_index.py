@@ -143,7 +143,8 @@ def _onto_gpus(index: faiss.Index, index_type: str, use_gpu: bool) -> tuple[fais
     try:
         return _to_all_gpus(index), True
     except RuntimeError as e:
-        print(f"faiss-gpu cannot hold this index ({str(e).strip().splitlines()[-1]}); using the CPU", file=sys.stderr)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        print(f"faiss-gpu cannot hold this index ({why}); using the CPU", file=sys.stderr)
         return index, False
 
 
