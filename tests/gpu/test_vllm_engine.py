@@ -11,7 +11,6 @@ near-tie).
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 
 import pytest
@@ -23,26 +22,17 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install agentrl[gpu])")
 
 from agentrl.engine import Sampling  # noqa: E402
 from agentrl.engine.hf import HFEngine  # noqa: E402
-from agentrl.engine.random_model import write_random_checkpoint  # noqa: E402
 from agentrl.engine.vllm import VLLMEngine  # noqa: E402
+from tests.gpu.vllm_models import two_models_and_prompts  # noqa: E402
 
 N_PROMPTS, NEW_TOKENS = 64, 32
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok_dir = os.environ.get("AGENTRL_TOKENIZER")
-    if not tok_dir:
-        pytest.skip("set AGENTRL_TOKENIZER to the Qwen2.5 tokenizer directory")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    root = tmp_path_factory.mktemp("models")
-    kw = dict(dtype="float32", sharpen=8.0, max_position_embeddings=4096)
-    a = write_random_checkpoint(root / "a", tok, "qwen2.5-0.5b", seed=0, **kw)
-    b = write_random_checkpoint(root / "b", tok, "qwen2.5-0.5b", seed=1, **kw)
-    texts = [f"Problem {i}: compute {i} * {i + 3} and explain the steps." for i in range(N_PROMPTS)]
-    prompts = [tok.encode(t) for t in texts]
+    tok, a, b, prompts = two_models_and_prompts(tmp_path_factory, N_PROMPTS)
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(str(a), dtype="float32", gpu_memory_utilization=0.4, max_model_len=2048, enforce_eager=True,
                         enable_sleep_mode=True)

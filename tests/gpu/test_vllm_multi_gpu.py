@@ -11,7 +11,6 @@ session key, so its requests stay on one replica, and half the prompts land on e
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -22,8 +21,8 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install agentrl[gpu])")
 
 from agentrl.engine import Sampling  # noqa: E402
 from agentrl.engine.hf import HFEngine  # noqa: E402
-from agentrl.engine.random_model import write_random_checkpoint  # noqa: E402
 from agentrl.engine.vllm import VLLMEngine, wait_for_free_gpu_memory  # noqa: E402
+from tests.gpu.vllm_models import two_models_and_prompts  # noqa: E402
 
 N_PROMPTS, NEW_TOKENS = 32, 32
 GREEDY = Sampling(max_tokens=NEW_TOKENS, temperature=0)
@@ -31,17 +30,9 @@ GREEDY = Sampling(max_tokens=NEW_TOKENS, temperature=0)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok_dir = os.environ.get("AGENTRL_TOKENIZER")
-    if not tok_dir:
-        pytest.skip("set AGENTRL_TOKENIZER to the Qwen2.5 tokenizer directory")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    root = tmp_path_factory.mktemp("models")
-    kw = dict(dtype="float32", sharpen=8.0, max_position_embeddings=4096)
-    a = write_random_checkpoint(root / "a", tok, "qwen2.5-0.5b", seed=0, **kw)
-    b = write_random_checkpoint(root / "b", tok, "qwen2.5-0.5b", seed=1, **kw)
-    prompts = [tok.encode(f"Problem {i}: compute {i} * {i + 3} and explain the steps.") for i in range(N_PROMPTS)]
+    tok, a, b, prompts = two_models_and_prompts(tmp_path_factory, N_PROMPTS)
     loop = asyncio.new_event_loop()
     expected = {}
     for name, path in (("a", a), ("b", b)):

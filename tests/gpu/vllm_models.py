@@ -1,0 +1,29 @@
+"""The models and prompts the vLLM GPU tests share: two random-weight Qwen2.5-0.5B-shaped checkpoints
+(seeds 0 and 1) in float32, sharpened so greedy choices compare implementations, not rounding
+(agentrl/engine/random_model.py), with the real Qwen2.5 tokenizer named by AGENTRL_TOKENIZER."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.engine.random_model import write_random_checkpoint
+
+
+def two_models_and_prompts(tmp_path_factory: Any, n_prompts: int) -> tuple[Any, Path, Path, list[list[int]]]:
+    """(tokenizer, checkpoint a, checkpoint b, `n_prompts` tokenized prompts); skips without a tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok_dir = os.environ.get("AGENTRL_TOKENIZER")
+    if not tok_dir:
+        pytest.skip("set AGENTRL_TOKENIZER to the Qwen2.5 tokenizer directory")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    root = tmp_path_factory.mktemp("models")
+    kw = dict(dtype="float32", sharpen=8.0, max_position_embeddings=4096)
+    a = write_random_checkpoint(root / "a", tok, "qwen2.5-0.5b", seed=0, **kw)
+    b = write_random_checkpoint(root / "b", tok, "qwen2.5-0.5b", seed=1, **kw)
+    prompts = [tok.encode(f"Problem {i}: compute {i} * {i + 3} and explain the steps.") for i in range(n_prompts)]
+    return tok, a, b, prompts
