@@ -44,9 +44,8 @@ def set_threads(threads: int | None) -> None:
 def gpu_count() -> int:
     """GPUs faiss can build and search on: 0 without faiss-gpu, without GPUs, or where faiss-gpu's kernels
     do not run on them (see `probe_gpu_kernels`)."""
-    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
-        return 0
-    return faiss.get_num_gpus() if probe_gpu_kernels()[0] else 0
+    n = faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+    return n if n and probe_gpu_kernels()[0] else 0
 
 
 _PROBE = """
@@ -78,11 +77,6 @@ def probe_gpu_kernels() -> tuple[bool, str]:
         reason = detail or (lines[-1] if lines else f"exit status {done.returncode}")
     print(f"faiss-gpu cannot run on these GPUs, using the CPU: {reason}", file=sys.stderr)  # once: cached
     return False, reason
-
-
-def _wants_gpu(index_type: str, use_gpu: bool) -> bool:
-    """Whether an index of this type goes on the GPUs (HNSW has no GPU version: it stays on the CPU)."""
-    return use_gpu and index_type != "hnsw" and gpu_count() > 0
 
 
 def resolve_params(index_type: str, n: int, dim: int, given: dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +131,8 @@ def _to_all_gpus(index: faiss.Index) -> faiss.Index:
 def _onto_gpus(index: faiss.Index, index_type: str, use_gpu: bool) -> tuple[faiss.Index, bool]:
     """`index` sharded over every GPU when wanted and possible, else itself; and whether it went. faiss-gpu
     refuses indexes it cannot hold, such as IVF-PQ with codes of other than 8 bits (the automatic choice
-    below 2,560 passages): those stay on the CPU, said on stderr."""
-    if not _wants_gpu(index_type, use_gpu):
+    below 2,560 passages): those stay on the CPU, said on stderr. HNSW has no GPU version."""
+    if not use_gpu or index_type == "hnsw" or gpu_count() == 0:
         return index, False
     try:
         return _to_all_gpus(index), True

@@ -142,26 +142,6 @@ class VLLMEngine:
         self.engine.shutdown()
 
 
-def wait_for_free_gpu_memory(fraction: float, timeout_s: float = 120.0) -> None:
-    """Block until every visible GPU has `fraction` of its memory free: a shut-down engine's processes
-    release theirs asynchronously, and the next engine's `gpu_memory_utilization` check must see it."""
-    import time
-
-    import torch
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        short = [(d, *torch.cuda.mem_get_info(d)) for d in range(torch.cuda.device_count())]
-        short = [(d, free, total) for d, free, total in short if free < fraction * total]
-        if not short:
-            return
-        if time.monotonic() > deadline:
-            d, free, total = short[0]
-            raise RuntimeError(f"GPU {d} memory not released after {timeout_s:.0f} s: {free / 2**30:.1f} GiB free "
-                               f"of {total / 2**30:.1f}, {fraction:.0%} expected")
-        time.sleep(0.5)
-
-
 async def _next_wave(interval_s: float) -> None:
     """Sleep until the next multiple of `interval_s` on the event loop's clock."""
     now = asyncio.get_running_loop().time()

@@ -21,8 +21,8 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install agentrl[gpu])")
 
 from agentrl.engine import Sampling  # noqa: E402
 from agentrl.engine.hf import HFEngine  # noqa: E402
-from agentrl.engine.vllm import VLLMEngine, wait_for_free_gpu_memory  # noqa: E402
-from tests.gpu.vllm_models import two_models_and_prompts  # noqa: E402
+from agentrl.engine.vllm import VLLMEngine  # noqa: E402
+from tests.gpu.vllm_models import two_models_and_prompts, wait_for_free_gpu_memory  # noqa: E402
 
 N_PROMPTS, NEW_TOKENS = 32, 32
 GREEDY = Sampling(max_tokens=NEW_TOKENS, temperature=0)
