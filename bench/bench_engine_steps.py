@@ -2,7 +2,9 @@
 pays for it, on one engine (GPU).
 
 For each batch size B and each option set, B requests of a ~60-token prompt each generate N tokens
-(`ignore_eos`, final output only) at once; one decode step then takes about seconds / N. A least-squares
+(`ignore_eos`, final output only) at once, then 2N tokens: one decode step takes (t_2N - t_N) / N, which
+leaves out what a run pays once (admission, prefill, the last output), and tokens/s is B N / (t_2N - t_N).
+Each run is the fastest of `--repeats`. A least-squares
 fit `step_ms = fixed + per_seq * B` splits a step into what every step pays (kernels, launches, the
 engine loop) and what each sequence in it adds (scheduling, sampling bookkeeping, output processing,
 detokenisation). Where `per_seq * B` dominates, a step of few sequences is about proportionally cheaper,
@@ -149,7 +151,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (needed unless --predict-from)")
     ap.add_argument("--shape", default="qwen2.5-1.5b")
     ap.add_argument("--batches", default="1,8,32,128,256,512")
-    ap.add_argument("--tokens", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--tokens", type=int, default=256, help="N: new tokens per request in the shorter run (the longer: 2N)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per (options, B); the fastest counts")
     ap.add_argument("--options", default=",".join(OPTIONS), help="comma list of: " + ", ".join(OPTIONS))
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
@@ -192,14 +194,20 @@ def main() -> None:
         for b in batches:
             # distinct prompts per run: the prefix cache must not turn a later run's prefill into a hit
             batch = [[len(rows) + 1000, *p] for p in prompts[:b]]
-            seconds = math.inf
-            for rep in range(args.repeats):  # the fastest of a few: short runs catch host noise
-                t0 = time.perf_counter()
-                generated = loop.run_until_complete(run(engine.engine, [[rep, *p] for p in batch], args.tokens,
-                                                        OPTIONS[name], f"{name}-{b}-{rep}"))
-                seconds = min(seconds, time.perf_counter() - t0)
-            rows.append({"options": name, "batch": b, "generated": generated, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(generated / seconds), "step_ms": round(seconds / args.tokens * 1e3, 2)})
+            seconds = {}
+            for n in (args.tokens, 2 * args.tokens):
+                seconds[n] = math.inf
+                for rep in range(args.repeats):  # the fastest of a few: short runs catch host noise
+                    t0 = time.perf_counter()
+                    generated = loop.run_until_complete(run(engine.engine, [[rep, n, *p] for p in batch], n,
+                                                            OPTIONS[name], f"{name}-{b}-{n}-{rep}"))
+                    seconds[n] = min(seconds[n], time.perf_counter() - t0)
+                    if generated != b * n:  # a random model wrote the stop string: fewer sequences ran to the end
+                        print(f"warning: {name}, B={b}: {generated} tokens generated, not {b * n}", flush=True)
+            decode_s = seconds[2 * args.tokens] - seconds[args.tokens]
+            rows.append({"options": name, "batch": b, "seconds_n": round(seconds[args.tokens], 3),
+                         "seconds_2n": round(seconds[2 * args.tokens], 3),
+                         "tokens_per_s": round(b * args.tokens / decode_s), "step_ms": round(decode_s / args.tokens * 1e3, 3)})
             print(json.dumps(rows[-1]), flush=True)
     loop.run_until_complete(engine.aclose())
     if args.json:
