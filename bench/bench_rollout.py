@@ -12,6 +12,9 @@ length as if a stop string had completed, and `BenchFormat` reads every turn end
 sleeping tool: the engine, the rollout loop, tool overlap and prefix caching are all the real ones.
 
     python bench/bench_rollout.py --tokenizer DIR [--trajectories 256 --turns 4 --turn-tokens 256 --tool-ms 100]
+
+`--modes` runs a subset of the three (one mode per process, e.g. to profile it alone); `--instances N`
+puts N engines on the GPU, each its own engine-core process, trajectories routed among them by session.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
@@ -92,7 +96,35 @@ class FixedTurns:
         return c
 
 
-async def run_plain(engine, prompts, tokens: list[int]) -> int:
+class Instances:
+    """Several VLLMEngines sharing the GPU, each with its own engine-core process: a trajectory's turns go to
+    one of them (by its session key, for the prefix cache). An experiment: vLLM's engine core is one
+    Python process whose per-sequence work bounds a decode step (BENCHMARKS.md, rollout run 5)."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    def pick(self, key: str):
+        return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
+
+    async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
+        return await self.pick(session or "").generate(prompt_ids, sampling, session=session)
+
+    @property
+    def admission_interval_s(self) -> float:
+        return self.engines[0].admission_interval_s
+
+    @admission_interval_s.setter
+    def admission_interval_s(self, value: float) -> None:
+        for e in self.engines:
+            e.admission_interval_s = value
+
+    async def aclose(self) -> None:
+        for e in self.engines:
+            await e.aclose()
+
+
+async def run_plain(engine: Instances, prompts, tokens: list[int]) -> int:
     """Each prompt generates its trajectory's total of model tokens in one request."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -101,7 +133,8 @@ async def run_plain(engine, prompts, tokens: list[int]) -> int:
         params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in engine.engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params, request_id=f"plain-{i}"):
+        async for out in engine.pick(f"{p.id}/0").engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params,
+                                                                  request_id=f"plain-{i}"):
             final = out
         return len(final.outputs[0].token_ids)
 
@@ -134,10 +167,18 @@ def main() -> None:
     ap.add_argument("--cudagraph-modes", default="default",
                     help="comma list: one engine per vLLM cudagraph_mode, each in its own process (default = vLLM's "
                          "FULL_AND_PIECEWISE: full graphs for pure-decode steps only; FULL = for mixed steps too)")
+    ap.add_argument("--modes", default="plain,async,turn_sync", help="comma list: which of the three loops run")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="engines sharing the GPU (each its own engine-core process), trajectories routed by session")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
+    unknown = set(args.modes.split(",")) - {"plain", "async", "turn_sync"}
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; expected some of plain, async, turn_sync")
+    if args.instances < 1:
+        raise SystemExit(f"--instances must be at least 1, got {args.instances}")
     modes = args.cudagraph_modes.split(",")
     if len(modes) == 1:
         rows, start = measure(args, modes[0])
@@ -173,7 +214,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
     t0 = time.perf_counter()
     kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
-    engine = VLLMEngine(args.model_dir, gpu_memory_utilization=0.85, max_model_len=16384, **kwargs)
+    engine = Instances([VLLMEngine(args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384, **kwargs)
+                        for _ in range(args.instances)])  # one after another: each sizes its cache from free memory
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
@@ -181,7 +223,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
         waves = [float(x) for x in args.admission_ms.split(",")]
-        runs = [("plain", 0.0)] + [("async", w) for w in waves] + [("turn_sync", 0.0)]
+        modes = args.modes.split(",")
+        runs = [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (waves if m == "async" else [0.0])]
         for name, wave_ms in runs:
             engine.admission_interval_s = wave_ms / 1000
             t0 = time.perf_counter()
@@ -199,7 +242,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
 
 
 def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]) -> None:
-    print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.trajectories} trajectories x {args.turns} turns, "
+    print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.instances} engine(s), {args.trajectories} trajectories x {args.turns} turns, "
           f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start (s) {start_s}")
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
@@ -207,8 +250,9 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = {x["mode"]: x["tokens_per_s"] for x in rows if x["dist"] == r["dist"] and x["graphs"] == r["graphs"]}
+        ratio = {k: f"{r['tokens_per_s'] / base[k]:.2f}" if k in base else "-" for k in ("plain", "turn_sync")}
         print(f"| {r['graphs']} | {r['dist']} | {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
-              f"{r['tokens_per_s'] / base['plain']:.2f} | {r['tokens_per_s'] / base['turn_sync']:.2f} |")
+              f"{ratio['plain']} | {ratio['turn_sync']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)
