@@ -93,14 +93,13 @@ class TrajectoryBuilder:
         self.turn += 1
         self.segments.append(Segment("model", list(c.token_ids), list(c.logprobs)))
         self.ids.extend(c.token_ids)
-        text = self.tokenizer.decode(c.token_ids)
+        text = self._turn_text = self.tokenizer.decode(c.token_ids)  # what the model wrote: render reads its end
         stop = completed_stop(self.tokenizer, c.token_ids, self.fmt.stop)
         if stop is not None:  # parse up to the stop string; the last token may run past it
             text = text[: text.rfind(stop) + len(stop)]
         elif c.finish_reason == "length":
             self.stop = self._turn_limit
             return None
-        self._turn_text = text
         action = self.fmt.parse(text, stop)
         if action is None:
             self.stop = StopReason.EOS

@@ -185,3 +185,21 @@ def test_reinforce_pp_matches_loop(gamma: float) -> None:
     flat = [x for row, m in zip(expected, mask.tolist(), strict=True) for x, mm in zip(row, m, strict=True) if mm > 0]
     mean, std = statistics.fmean(flat), statistics.stdev(flat)
     assert adv[mask > 0].tolist() == pytest.approx([(x - mean) / std for x in flat], abs=1e-4)
+
+
+def test_integer_rewards_give_the_float_advantages() -> None:
+    ints, groups = torch.tensor([1, 0, 1, 0]), torch.tensor([0, 0, 1, 1])  # 0/1 correctness as ints
+    for estimator in (grpo_advantages, drgrpo_advantages, rloo_advantages):
+        got = estimator(ints, groups)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, estimator(ints.float(), groups))
+    assert grpo_advantages(ints, groups).abs().min() > 0.7  # not truncated to integer zeros
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "gae"])
+def test_every_response_empty(advantage: str) -> None:
+    # every prompt hit the context limit before its first turn: the response layout has no columns
+    rewards, groups, mask = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]), torch.zeros(3, 0)
+    values = torch.zeros(3, 0) if advantage == "gae" else None
+    adv, _ = compute_advantages(AlgoConfig(advantage=advantage), rewards, groups, mask, values)
+    assert adv.shape == (3, 0)

@@ -70,6 +70,14 @@ def test_sampling_is_seeded_and_logprobs_follow_temperature(model_and_tok):
     assert a.logprobs == pytest.approx(expected, abs=1e-5)
     top1 = sample(0, Sampling(max_tokens=10, temperature=1.0, top_k=1, seed=9))
     assert top1.token_ids == sample(0, Sampling(max_tokens=10, temperature=0)).token_ids
+    assert top1.logprobs == pytest.approx([0.0] * 10, abs=1e-6)  # sampled from a one-token distribution
+    top2 = sample(0, Sampling(max_tokens=10, temperature=0.7, top_k=2, seed=9))
+    with torch.no_grad():
+        logits_TV = model(torch.tensor([ids + top2.token_ids])).logits[0].float()
+    lp_TV = torch.log_softmax(logits_TV[len(ids) - 1 : -1] / 0.7, -1)
+    kept_T = torch.logsumexp(torch.topk(lp_TV, 2, dim=-1).values, dim=-1)  # renormalised over the two kept
+    expected = [float(lp_TV[i, t] - kept_T[i]) for i, t in enumerate(top2.token_ids)]
+    assert top2.logprobs == pytest.approx(expected, abs=1e-5)
 
 
 def test_stop_strings_eos_and_max_tokens(model_and_tok):

@@ -103,6 +103,9 @@ def test_row_scale_masks_whole_rows() -> None:
     assert float(mask[1].sum()) == 0.0
     assert batch.num_loss_tokens == sum(sum(t.loss_mask) for i, t in enumerate(trajs) if i != 1)
     assert batch.num_loss_sequences == 3
+    for bad in (torch.tensor([1.0, 0.5, 1.0, 1.0]), torch.ones(3)):  # a fraction; one value short
+        with pytest.raises(ValueError, match="one 0 or 1 per trajectory"):
+            pack(trajs, 1000, row_scale_B=bad)
 
 
 def test_pack_rejects_empty_prompt() -> None:

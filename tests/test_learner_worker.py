@@ -123,6 +123,22 @@ def test_nan_guard_skips_and_counts() -> None:
     assert all(torch.equal(t, expected[n]) for n, t in worker.state_for_sync())
 
 
+def test_a_batch_without_loss_tokens_leaves_the_weights_alone() -> None:
+    # every row overlong-filtered (row scale 0): no loss tokens, so weight decay, moments and schedule stay
+    worker = PolicyWorker(_config(optim=OptimConfig(lr=1e-2, weight_decay=0.1)), AlgoConfig(), model=tiny_lm(seed=3))
+    trajs = trajectories(4, seed=1)
+    [batch] = pack(trajs, 1000, row_scale_B=torch.zeros(4))
+    assert batch.num_loss_tokens == 0
+    before = {n: t.clone() for n, t in worker.state_for_sync()}
+    batch.set("advantages", response_layout(trajs).mask_BR.clone())
+    metrics = worker.train_step(batch)
+    assert metrics["actor/step_skipped"] == 1.0 and metrics["actor/skipped_steps"] == 0.0 and worker.steps == 0
+    assert all(torch.equal(t, before[n]) for n, t in worker.state_for_sync())
+    [batch] = pack(trajs, 1000)
+    batch.set("advantages", response_layout(trajs).mask_BR.clone())
+    assert worker.train_step(batch)["actor/step_skipped"] == 0.0 and worker.steps == 1
+
+
 def test_state_for_sync_and_hf_export(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -147,7 +147,20 @@ def test_torl_error_keeps_last_line_and_long_output_is_cut(tok):
     long = ToolResult("a" * 100 + "b" * 100 + "c" * 100)
     body = fmt.render([], [long], "```output\n").removesuffix("\n```\n")
     assert body == "a" * 100 + "b" * 28 + "..." + "b" * 28 + "c" * 100  # first 128 + ... + last 128
-    assert fmt.render([], [ToolResult("x" * 255)], "```output\n") == "x" * 255 + "\n```\n"
+    assert fmt.render([], [ToolResult("x" * 256)], "```output\n") == "x" * 256 + "\n```\n"  # cut only past 256
+
+
+def test_torl_stop_token_carrying_the_newline_gets_no_second_one(tiny_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_tokens(["output\n"])  # the stop string ends inside a token that also holds the newline
+    turn1 = "```python\nprint(5)\n```\n```output\n"
+    assert tok.convert_ids_to_tokens(tok.encode(turn1, add_special_tokens=False))[-1] == "output\n"
+    scripts = {"p0": [turn1, "\\boxed{5}" + EOS]}
+    _, (t,) = do_rollout(tok, TorlFormat(), scripts, TORL_BUDGETS, {"python": FunctionTool("python", run_python)})
+    assert tok.decode(t.segments[0].token_ids).endswith("```output\n")
+    assert tok.decode(t.segments[1].token_ids) == "5\n```\n"  # not "\n5\n```\n": one newline in all
 
 
 def test_torl_last_python_block_rules():
@@ -249,6 +262,18 @@ def test_hermes_malformed_and_unknown_tool_are_observations(qwen_tokenizer):
     assert "not valid JSON" in tok.decode(t.segments[1].token_ids)
     assert "there is no tool 'calculator'" in tok.decode(t.segments[3].token_ids)
     assert t.tool_records[0].result.error == "unknown_tool" and t.stop_reason == StopReason.EOS
+
+
+def test_hermes_names_an_eos_token_that_does_not_end_messages(qwen_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(qwen_tokenizer)
+    tok.eos_token = "<|endoftext|>"  # what a Qwen base tokenizer declares; the template ends messages with <|im_end|>
+    with pytest.raises(ValueError, match=r"eos_token '<\|endoftext\|>' does not end the assistant message"):
+        HermesFormat(tok).render([], [ToolResult("5")], "")
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="needs tokenizer.eos_token"):
+        HermesFormat(tok)
 
 
 # --- budgets and stop reasons -----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def grpo_advantages(rewards_B: Tensor, group_ids_B: Tensor, std_normalize: bool 
     adv_B = rewards_B.double() - mean_G[index_B]
     if std_normalize:
         adv_B = adv_B / (std_G[index_B] + eps)
-    return adv_B.to(rewards_B.dtype)
+    return adv_B.to(_float_dtype(rewards_B))
 
 
 def drgrpo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
@@ -49,7 +49,12 @@ def rloo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
     index_B, count_G, mean_G, _ = group_stats(rewards_B, group_ids_B)
     n_B = count_G[index_B]
     adv_B = (n_B / (n_B - 1).clamp(min=1)) * (rewards_B.double() - mean_G[index_B])
-    return adv_B.to(rewards_B.dtype)
+    return adv_B.to(_float_dtype(rewards_B))
+
+
+def _float_dtype(rewards_B: Tensor) -> torch.dtype:
+    """Advantages keep a floating rewards dtype; integer rewards (0/1 correctness) give float32."""
+    return rewards_B.dtype if rewards_B.is_floating_point() else torch.float32
 
 
 def broadcast_to_tokens(values_B: Tensor, mask_BR: Tensor) -> Tensor:
@@ -60,6 +65,8 @@ def broadcast_to_tokens(values_B: Tensor, mask_BR: Tensor) -> Tensor:
 def token_rewards(rewards_B: Tensor, mask_BR: Tensor, kl_BR: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """The trajectory's reward on its last sampled token, minus kl_coef * kl on every sampled token."""
     mask_BR = mask_BR.to(torch.float32)
+    if mask_BR.shape[1] == 0:  # every response empty (e.g. all prompts hit the context limit): no tokens to reward
+        return torch.zeros_like(mask_BR)
     positions_R = torch.arange(1, mask_BR.shape[1] + 1, dtype=torch.float32)
     last_B = (mask_BR * positions_R).argmax(dim=1)
     has_tokens_B = mask_BR.sum(dim=1) > 0

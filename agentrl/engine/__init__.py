@@ -5,8 +5,10 @@ ids sampled, each with its logprob, and why generation stopped. Stop strings sta
 token that completes a stop string is returned whole, even when the string ends inside it), so the ids
 the learner trains on are the ids sampled (DESIGN.md invariant 1).
 
-Logprobs are those of the distribution sampled from, before top-p / top-k truncation:
-log_softmax(logits / temperature), with temperature 1 for greedy decoding.
+Logprobs are those of the distribution sampled from: log_softmax(logits / temperature), renormalised over
+the tokens top-k / top-p keep when they are on (what vLLM's `processed_logprobs` give; with both off, the
+RL default, nothing is cut), with temperature 1 for greedy decoding. They are the behaviour policy's, as
+the learner's importance-sampling correction needs.
 
 Implementations: hf.py (transformers; CPU and GPU; the test double and small runs) and vllm.py (vLLM
 AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.py and colocated training.

@@ -142,8 +142,10 @@ class HFEngine:
             outside_V = (sorted_V.cumsum(0) - sorted_V) >= s.top_p * sorted_V.sum()
             sorted_V[outside_V] = 0.0
             probs_V = torch.zeros_like(probs_V).scatter(0, order_V, sorted_V)
-        token = int(torch.multinomial(probs_V / probs_V.sum(), 1, generator=r.generator))
-        return token, float(logprobs_V[token])
+        kept = probs_V.sum()
+        token = int(torch.multinomial(probs_V / kept, 1, generator=r.generator))
+        # the logprob under the distribution sampled from: renormalised over what top-k / top-p kept
+        return token, float(logprobs_V[token] - torch.log(kept))
 
     def _append(self, r: _Request, token: int, logprob: float) -> str | None:
         """Record a sampled token; return why the request finished, or None to go on."""

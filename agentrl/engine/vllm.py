@@ -3,8 +3,8 @@
 Every request is a `TokensPrompt` (token-in), its output the sampled ids with their logprobs
 (token-out): stop strings stay in the output (`include_stop_str_in_output=True`) and, where one ends
 inside a token, that token comes back whole; rollout.py decodes the ids itself. Logprobs are vLLM's
-`processed_logprobs`: log_softmax(logits / temperature), the same as engine/hf.py's when top-p and
-top-k are off (the RL default); with them on, vLLM renormalises over the kept tokens.
+`processed_logprobs`: log_softmax(logits / temperature), renormalised over the tokens top-k / top-p keep,
+as engine/hf.py's.
 
 Prefix caching is on, so turn k+1 of a trajectory (its prompt = turn k's prompt + output + observation)
 recomputes only the new tokens. Several replicas are vLLM data-parallel ranks; a trajectory's turns are
@@ -115,6 +115,8 @@ class VLLMEngine:
         if final is None or not final.outputs:
             raise RuntimeError("vLLM returned no output for a request")
         c = final.outputs[0]
+        if c.finish_reason not in ("stop", "length"):  # e.g. "abort": a cut-off turn must not pass for an EOS
+            raise RuntimeError(f"vLLM ended a request with finish_reason {c.finish_reason!r}: expected 'stop' or 'length'")
         ids = list(c.token_ids)
         logprobs = _sampled_logprobs(c.logprobs, ids)
         stop_str = c.stop_reason if isinstance(c.stop_reason, str) else None

@@ -146,9 +146,15 @@ def pack(
     row_scale_B: Tensor | None = None,
 ) -> list[Batch]:
     """Pack `trajectories` for `world_size` data-parallel ranks; returns one `Batch` per rank.
-    `row_scale_B` multiplies whole rows of the loss mask (e.g. sampling.keep_untruncated)."""
+    `row_scale_B` keeps (1) or drops (0) whole rows of the loss mask (e.g. sampling.keep_untruncated); other
+    values are refused: the per-sequence loss aggregations count a row's tokens, which a fraction would not
+    scale."""
     if not trajectories:
         raise ValueError("pack: no trajectories")
+    if row_scale_B is not None and (tuple(row_scale_B.shape) != (len(trajectories),)
+                                    or not bool(((row_scale_B == 0) | (row_scale_B == 1)).all())):
+        raise ValueError(f"pack: row_scale_B must hold one 0 or 1 per trajectory ({len(trajectories)}), "
+                         f"got shape {tuple(row_scale_B.shape)} with values {sorted(set(row_scale_B.flatten().tolist()))[:5]}")
     lengths = [len(t.prompt.token_ids) + len(t.response_ids) for t in trajectories]
     if any(not t.prompt.token_ids for t in trajectories):
         raise ValueError("pack: a trajectory has no prompt tokens (its first response token has no context)")

@@ -153,7 +153,7 @@ class Worker:
                 sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule moves after it)
         with record_function("agentrl.optimizer"):
-            grad_norm, skipped = self._optimizer_step()
+            grad_norm, skipped = self._optimizer_step(empty=batch.num_loss_tokens == 0)
         metrics = self._all_reduce(sums | {"tokens": torch.tensor(float(batch.num_tokens), device=self.ctx.device)})
         elapsed = time.perf_counter() - start
         tokens = metrics.pop("tokens")
@@ -164,26 +164,28 @@ class Worker:
         out[f"perf/{self.role}_tokens_per_s"] = tokens / elapsed
         return out
 
-    def _optimizer_step(self) -> tuple[float, bool]:
+    def _optimizer_step(self, empty: bool = False) -> tuple[float, bool]:
         """Clip by global grad norm and step, unless the norm is NaN/inf: then drop the gradients, leave
-        the weights, optimizer moments and schedule alone, and count the skip. The fused AdamW kernel reads
-        the verdict from the device (`found_inf`, as under a grad scaler), so the step is queued before the
-        host waits for the norm: the GPU does not idle while the host decides."""
+        the weights, optimizer moments and schedule alone, and count the skip (`skipped_steps`). The fused
+        AdamW kernel reads the verdict from the device (`found_inf`, as under a grad scaler), so the step is
+        queued before the host waits for the norm: the GPU does not idle while the host decides.
+        An `empty` batch (no loss tokens: e.g. every row overlong-filtered) is skipped the same way, or
+        weight decay, the moments and the schedule would move on a batch that taught nothing."""
         assert self.optimizer is not None and self.scheduler is not None
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        found_inf = (~torch.isfinite(norm)).float()
+        found_inf = torch.ones_like(norm) if empty else (~torch.isfinite(norm)).float()
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by the fused step
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         norm_value = float(norm)  # the one host sync of the step, after the step is queued
-        skipped = not math.isfinite(norm_value)
-        if skipped:
+        skipped = empty or not math.isfinite(norm_value)
+        if not math.isfinite(norm_value):
             self.skipped_steps += 1
-        else:
+        if not skipped:
             self.scheduler.step()
             self.steps += 1
         return norm_value, skipped

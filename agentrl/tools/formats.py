@@ -59,7 +59,8 @@ class ToolFormat(ABC):
 
     @abstractmethod
     def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
-        """The observation text for the results of `calls`; `turn_text` is the model turn before it."""
+        """The observation text for the results of `calls`; `turn_text` is the model turn before it, decoded
+        from its ids: past the stop string when the last token carried more (e.g. "output\n")."""
 
     def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
         return invalid.message
@@ -87,8 +88,8 @@ def last_python_block(text: str) -> str | None:
 
 
 def truncate_middle(text: str, max_chars: int) -> str:
-    """ToRL: from `max_chars` characters on, keep the first and the last `max_chars // 2` around '...'."""
-    if len(text) < max_chars:
+    """ToRL: past `max_chars` characters, keep the first and the last `max_chars // 2` around '...'."""
+    if len(text) <= max_chars:
         return text
     half = max_chars // 2
     return text[:half] + "..." + text[-half:]
@@ -180,9 +181,12 @@ class HermesFormat(ToolFormat):
     stop = ()  # the message ends with EOS (<|im_end|> for Qwen); all its tool calls are parsed then
 
     def __init__(self, tokenizer: Any, tool_schemas: list[dict] | None = None):
+        if not tokenizer.eos_token:
+            raise ValueError("the hermes format needs tokenizer.eos_token: the token that ends an assistant message "
+                             "(<|im_end|> for Qwen), after which the chat template appends tool messages")
         self.tokenizer = tokenizer
         self.tool_schemas = tool_schemas
-        self.eos_text = tokenizer.eos_token or ""
+        self.eos_text = tokenizer.eos_token
 
     def parse(self, text: str, stop: str | None) -> Action:
         blocks = _TOOL_CALL.findall(text)
@@ -214,7 +218,9 @@ class HermesFormat(ToolFormat):
         that message's EOS: the same for every observation of this format, so rendered once."""
         before = self.tokenizer.apply_chat_template(list(self._HISTORY), tools=self.tool_schemas, tokenize=False)
         if self.eos_text not in before:
-            raise ValueError("this chat template does not append tool messages after the assistant's EOS")
+            raise ValueError(f"tokenizer.eos_token {self.eos_text!r} does not end the assistant message in this chat "
+                             f"template, which renders it as ...{before[-80:]!r}: set eos_token to the template's "
+                             "end-of-message token (<|im_end|> for Qwen)")
         return before, before.rindex(self.eos_text) + len(self.eos_text)
 
     def _appended(self, contents: list[str]) -> str:
