@@ -100,7 +100,8 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     memory_limit_MB: int = Field(-1, description="memory budget of the session; <= 0: server default")
-    idle_timeout: float | None = Field(None, gt=0, description="seconds unused before it is closed")
+    idle_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                       description="seconds unused before it is closed; at most the server's --max-session-idle")
 
 
 class SessionInfo(BaseModel):

@@ -97,7 +97,7 @@ class OutputCapture:
 
     def drain(self) -> None:
         """Read what is already in the pipe (a session call's output before its reply)."""
-        while not self.done.done():
+        while self.fd >= 0:
             try:
                 chunk = os.read(self.fd, 1 << 20)
             except BlockingIOError:
@@ -114,9 +114,13 @@ class OutputCapture:
         return text
 
     def close(self) -> None:
-        if not self.done.done():
+        """Stop reading and close the descriptor, once. Its own flag, not `done`: a waiter that was
+        cancelled can cancel `done`, and the reader of a socket at EOF would then fire forever."""
+        if self.fd >= 0:
             asyncio.get_running_loop().remove_reader(self.fd)
             os.close(self.fd)
+            self.fd = -1
+        if not self.done.done():
             self.done.set_result(None)
 
 
@@ -136,28 +140,47 @@ def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: b
 def open_channels(settings: Settings, host_uid: int | None,
                   ) -> tuple[socket.socket, list[int], OutputCapture, OutputCapture]:
     """Server socket end, the child's descriptors [socket, stdout, stderr], and the two captures.
-    The pipes are handed to the run's host uid so that it can reopen them (`echo x > /dev/stderr`)."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    if host_uid is not None:
-        for fd in (out_w, err_w):
-            os.fchown(fd, host_uid, host_uid)
-    ours.setblocking(False)
-    child_fds = [theirs.detach(), out_w, err_w]
-    return ours, child_fds, OutputCapture(out_r, settings.max_output_bytes), OutputCapture(
-        err_r, settings.max_output_bytes)
+    The pipes are handed to the run's host uid so that it can reopen them (`echo x > /dev/stderr`).
+    On an error (e.g. out of descriptors) whatever was opened is closed again."""
+    opened: list[Any] = []
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        opened += [ours, theirs]
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        opened += [out_r, out_w]
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        opened += [err_r, err_w]
+        if host_uid is not None:
+            for fd in (out_w, err_w):
+                os.fchown(fd, host_uid, host_uid)
+        ours.setblocking(False)
+        out = OutputCapture(out_r, settings.max_output_bytes)
+        opened.remove(out_r)
+        opened.append(out)
+        err = OutputCapture(err_r, settings.max_output_bytes)
+    except BaseException:
+        for thing in opened:
+            if isinstance(thing, int):
+                os.close(thing)
+            else:
+                thing.close()
+        raise
+    return ours, [theirs.detach(), out_w, err_w], out, err
 
 
 async def execute(worker: Zygote, job: Job, settings: Settings, release: Callable[[Zygote], None]) -> Outcome:
     """Run `job` on `worker`; `release(worker)` is called once the zygote has reaped the run."""
     loop = asyncio.get_running_loop()
     run_id = uuid.uuid4().hex
-    sock, child_fds, out, err = open_channels(settings, worker.host_uid(worker.uid))
-    worker.set_memory_limit(job.memory_mb)
     msg = {"op": "run", "id": run_id, "lang": job.language, "timeout": job.timeout_s,
            "limits": limits_for(settings, job.timeout_s, job.memory_mb, worker.map_self)}
     try:
+        sock, child_fds, out, err = open_channels(settings, worker.host_uid(worker.uid))
+    except OSError as e:  # e.g. out of descriptors: the worker goes back to the pool unused
+        release(worker)
+        return Outcome("Error", message=f"could not start the run: {e}")
+    try:
+        worker.set_memory_limit(job.memory_mb)
         exited = worker.spawn(msg, child_fds)
     except (OSError, ZygoteDied) as e:
         for closing in (sock.close, out.close, err.close):
@@ -175,7 +198,7 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
     try:
         # EOF on the report socket comes either with the child's own report (it killed and reaped
         # everything else first) or when it died (timeout, OOM, os._exit): then the zygote's word counts.
-        await asyncio.wait_for(report.done, job.timeout_s + GRACE_S)
+        await asyncio.wait_for(asyncio.shield(report.done), job.timeout_s + GRACE_S)
         child = _checked_report(report.data)
         if isinstance(child.get("code"), int):
             await _streams_closed(out, err)

@@ -155,7 +155,9 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-        return JSONResponse({"detail": jsonable_encoder(errors), "message": f"invalid request: {fields}"}, 422)
+        # not the offending input: it need not be JSON (1e400 parses as inf) and the client has it
+        detail = jsonable_encoder([{k: v for k, v in e.items() if k != "input"} for e in errors])
+        return JSONResponse({"detail": detail, "message": f"invalid request: {fields}"}, 422)
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:

@@ -62,6 +62,7 @@ class SessionManager:
         self.settings = settings
         self.zygote = self._new_zygote(cgroups)
         self.sessions: dict[str, Session] = {}
+        self._starting = 0  # sessions being created: they hold a slot across the awaits of create()
         self._counter = 0
         self._reaper: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()
@@ -111,12 +112,22 @@ class SessionManager:
             await self._ensure_zygote()
             if not self.zygote.alive:
                 raise SessionError(503, "the sessions' sandbox worker could not be restarted")
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) + self._starting >= self.settings.max_sessions:
             raise SessionError(429, f"{self.settings.max_sessions} sessions are open; close one first")
+        self._starting += 1  # the slot is taken before the first await below
+        try:
+            return await self._create(memory_mb, idle_timeout)
+        finally:
+            self._starting -= 1
+
+    async def _create(self, memory_mb: int, idle_timeout: float | None) -> Session:
         sid = uuid.uuid4().hex
         uid = self.settings.session_uid + self._counter % 40000  # own uid: own RLIMIT_NPROC, no signals
         self._counter += 1
-        sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
+        try:
+            sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
+        except OSError as e:
+            raise SessionError(503, f"could not start a session: {e}") from None
         limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self)
         try:
             exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
@@ -129,7 +140,7 @@ class SessionManager:
             for fd in child_fds:
                 os.close(fd)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        session = Session(sid, idle_timeout or self.settings.session_idle_s, reader, writer, out, err, exited)
+        session = Session(sid, self.settings.clamp_idle(idle_timeout), reader, writer, out, err, exited)
         self.sessions[sid] = session
         exited.add_done_callback(lambda f: self._ended(sid))
         return session
@@ -148,13 +159,15 @@ class SessionManager:
     async def call(self, sid: str, req: SessionRunRequest) -> Outcome:
         session = self.get(sid)
         async with session.lock:  # calls of one session run one after the other
+            if self.sessions.get(sid) is not session:  # closed while this call waited for the one before
+                raise SessionError(404, f"session {sid!r} was closed while this call waited for the one before")
             timeout = self.settings.clamp_timeout(req.run_timeout)
             frame = {"code": req.code, "stdin": req.stdin, "files": req.files, "fetch_files": req.fetch_files}
             try:
                 session.writer.write(encode_frame(frame))
                 await session.writer.drain()
                 reply = await self._reply(session, timeout)
-            except (ConnectionError, asyncio.IncompleteReadError):
+            except (ConnectionError, RuntimeError, asyncio.IncompleteReadError):  # RuntimeError: a closed transport
                 reply = None
             except asyncio.CancelledError:  # the client left mid-call: its reply would desynchronise
                 closing = asyncio.ensure_future(self.close(sid))  # the next call, so end the session

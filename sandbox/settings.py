@@ -50,6 +50,7 @@ class Settings:
 
     max_sessions: int = 32  # live sessions; creating one more -> 429
     session_idle_s: float = 600.0  # a session unused this long is closed
+    max_session_idle_s: float = 3600.0  # the longest idle_timeout a session may ask for
     session_cpu_s: float = 600.0  # RLIMIT_CPU over a session's whole life
     session_memory_mb: int = 1024  # RLIMIT_AS budget of each session
     sessions_memory_mb: int = 8192  # cgroup cap on all sessions together
@@ -58,6 +59,11 @@ class Settings:
         if requested is None or requested <= 0:
             return self.default_run_timeout_s
         return min(float(requested), self.max_run_timeout_s)
+
+    def clamp_idle(self, requested: float | None) -> float:
+        if requested is None or requested <= 0:
+            return self.session_idle_s
+        return min(float(requested), self.max_session_idle_s)
 
     def clamp_memory(self, requested_mb: int | None) -> int:
         if requested_mb is None or requested_mb <= 0:

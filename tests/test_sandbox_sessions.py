@@ -86,6 +86,23 @@ def test_sessions_are_isolated_capped_and_expire(server):
     assert server.leftovers() == []
 
 
+def test_session_cap_holds_under_concurrent_creates_and_idle_is_bounded():
+    with ServerProcess("--workers", "1", "--max-sessions", "2", "--max-session-idle", "50", "--disk-mb", "64") as s:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = sorted(f.result().status_code
+                           for f in [pool.submit(call, s, "POST", "/sessions", json={}) for _ in range(8)])
+        assert codes == [201, 201] + [429] * 6
+        for sid in call(s, "GET", "/sessions").json()["session_ids"]:
+            assert call(s, "DELETE", f"/sessions/{sid}").status_code == 204
+        created = call(s, "POST", "/sessions", json={"idle_timeout": 1e300})
+        assert created.status_code == 201 and created.json()["idle_timeout"] == 50.0
+        too_big = call(s, "POST", "/sessions", content='{"idle_timeout": 1e400}',  # JSON's way to say inf
+                       headers={"content-type": "application/json"})
+        assert too_big.status_code == 422 and "idle_timeout" in too_big.text
+        call(s, "DELETE", f"/sessions/{created.json()['session_id']}")
+        assert s.leftovers() == []
+
+
 def test_overload_answers_503(server):
     body = {"code": "import time\ntime.sleep(3)", "language": "python"}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -98,13 +115,25 @@ def test_overload_answers_503(server):
 
 
 def test_client_disconnect_kills_the_run(server):
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+    assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
+    before = open_fds()
     code = "import os, time\nos.fork()\ntime.sleep(60)"
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/run_code", json={"code": code, "language": "python", "run_timeout": 60},
-                   timeout=1.5)
-    assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/run_code", json={"code": code, "language": "python", "run_timeout": 60},
+                       timeout=1.5)
+        assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
     body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
     assert body["run_result"]["stdout"] == "2\n"
+    # nothing of the abandoned runs stays open in the server (a leaked report socket at EOF would also
+    # keep its reader firing on every turn of the event loop)
+    deadline = time.monotonic() + 30
+    while open_fds() > before:
+        assert time.monotonic() < deadline, f"server descriptors {open_fds()}, {before} before the disconnects"
+        time.sleep(0.1)  # polling the server's own state: it closes connections asynchronously
 
 
 def test_a_dead_worker_is_replaced(server):
@@ -209,3 +238,38 @@ def test_code_tool_retries_5xx_and_maps_sandbox_fusion_answers():
     tool, _ = mock_tool([httpx.Response(422, json={"detail": [{"loc": ["body", "code"]}]})])
     assert tool_result(tool, "x").error == "http_422"
     assert asyncio.run(CodeTool("http://sandbox").call(ToolCall("python", {}))).error == "malformed"
+
+
+def test_running_out_of_descriptors_leaks_nothing_and_frees_the_worker(monkeypatch):
+    """open_channels fails half-way (out of descriptors): what it opened is closed, and execute() gives
+    the worker back to the pool with an Error outcome, instead of losing it."""
+    from sandbox import run as run_module
+    from sandbox.settings import Settings
+
+    real_pipe2, calls = os.pipe2, []
+
+    def failing_second_pipe(flags):
+        calls.append(flags)
+        if len(calls) == 2:
+            raise OSError(24, "Too many open files")
+        return real_pipe2(flags)
+
+    monkeypatch.setattr(run_module.os, "pipe2", failing_second_pipe)
+
+    class Worker:  # never reached: spawn would need the descriptors
+        uid, map_self = 1000, False
+
+        def host_uid(self, uid):
+            return None
+
+    released = []
+
+    async def attempt():
+        before = len(os.listdir("/proc/self/fd"))
+        job = run_module.Job("print(1)", "python", 1.0, 64)
+        outcome = await run_module.execute(Worker(), job, Settings(), released.append)
+        return outcome, before, len(os.listdir("/proc/self/fd"))
+
+    outcome, before, after = asyncio.run(attempt())
+    assert outcome.status == "Error" and "Too many open files" in outcome.message
+    assert len(released) == 1 and after == before
