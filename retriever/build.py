@@ -31,11 +31,13 @@ from retriever.encoder import DEFAULT_ENCODER, EncoderSpec, resolve_encoder
 from retriever.errors import RetrieverError
 from retriever.manifest import (
     DENSE_TYPES,
+    MANIFEST_FILE,
     Bm25Info,
     CorpusInfo,
     EncoderInfo,
     Manifest,
     partial_dir,
+    read_manifest,
     write_manifest,
 )
 
@@ -84,6 +86,7 @@ class BuildState:
     skipped: int = 0
     first_errors: list[str] = field(default_factory=list)
     encoded: bool = False
+    finished: bool = False  # the manifest is written: what is left is dropping scaffolding and the rename
     encode_seconds: float = 0.0
     vocab_terms: int = 0  # BM25: committed words of VOCAB_LOG ...
     vocab_bytes: int = 0  # ... and its committed length (a resume cuts off what came after)
@@ -157,6 +160,8 @@ def _open_state(cfg: BuildConfig, work: Path, params: dict[str, Any]) -> BuildSt
             )
         _log(cfg, f"resuming {work}: {state.rows} passages in {state.shards} shards already done")
         return state
+    if (work / MANIFEST_FILE).exists():  # killed after the clean-up, before the rename: complete
+        return BuildState(params=params, finished=True)
     if work.exists():
         shutil.rmtree(work)  # a partial build killed before its first commit holds nothing to keep
     work.mkdir(parents=True)
@@ -183,6 +188,10 @@ def build(cfg: BuildConfig) -> Manifest:
     )  # fmt: skip
     work = partial_dir(cfg.out)
     state = _open_state(cfg, work, _content_params(cfg, spec))
+    if state.finished:  # interrupted after the index was complete: only the clean-up and the rename are left
+        manifest = read_manifest(work)
+        _finish(cfg, work, manifest, state)
+        return manifest
     started = time.time()
     if not state.encoded:
         _encode_corpus(cfg, spec, work, state)
@@ -208,7 +217,7 @@ def build(cfg: BuildConfig) -> Manifest:
         index_params=index_params,
         build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started),
     )  # fmt: skip
-    _finish(cfg, work, manifest)
+    _finish(cfg, work, manifest, state)
     return manifest
 
 
@@ -355,10 +364,14 @@ def _index_bm25(cfg: BuildConfig, work: Path, state: BuildState) -> dict[str, An
     return {"k1": cfg.k1, "b": cfg.b, "terms": len(tokenizer.word_to_id)}
 
 
-def _finish(cfg: BuildConfig, work: Path, manifest: Manifest) -> None:
-    """Write the manifest, drop the build's scaffolding (the state last: until then a rerun resumes at the
-    index step), and rename the directory into place."""
-    write_manifest(work, manifest)
+def _finish(cfg: BuildConfig, work: Path, manifest: Manifest, state: BuildState) -> None:
+    """Write the manifest, mark the state finished, drop the build's scaffolding (the state last) and
+    rename the directory into place. A rerun after a kill anywhere in here resumes from the mark: it never
+    meets a state that promises shards already deleted."""
+    if not state.finished:
+        write_manifest(work, manifest)
+        state.finished = True
+        atomic_write_json(work / STATE_FILE, asdict(state))
     if cfg.keep_embeddings and (work / SHARDS_DIR).exists():
         (work / SHARDS_DIR).rename(work / EMBEDDINGS_DIR)
     for leftover in (SHARDS_DIR, TOKENS_DIR):
@@ -372,6 +385,8 @@ def _finish(cfg: BuildConfig, work: Path, manifest: Manifest) -> None:
 
 def publish(work: Path, out: Path, overwrite: bool) -> None:
     """Rename a finished `work` directory to `out` (replacing an old `out` only when asked)."""
+    for stale in out.parent.glob(f".{out.name}.old-*"):  # an old index a killed --overwrite left aside
+        shutil.rmtree(stale, ignore_errors=True)
     old = None
     if out.exists():
         if not overwrite:

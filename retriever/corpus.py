@@ -45,7 +45,13 @@ def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
         what = "lacks a `contents` field" if contents is None else f"has a non-string `contents` ({type(contents).__name__})"
         raise RetrieverError(f'corpus line {line_no}: {what}; expected {{"id": ..., "contents": "\\"Title\\"\\ntext"}}')
     doc_id = obj.get("id", str(row))
-    return Passage(id=doc_id, contents=contents)
+    passage = Passage(id=doc_id, contents=contents)
+    try:
+        passage.to_json_line()  # JSON's \ud800 escapes decode to lone surrogates, which UTF-8 cannot hold
+    except UnicodeEncodeError as e:
+        raise RetrieverError(f"corpus line {line_no}: a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}) that "
+                             "UTF-8 cannot encode") from None
+    return passage
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ A server refuses to start on a directory whose manifest does not match what it w
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,7 +67,14 @@ class Manifest(_Strict):
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
-    (directory / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2) + "\n")
+    """Atomically: a reader (or a resumed build) sees the whole manifest or none."""
+    path = directory / MANIFEST_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.model_dump_json(indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def partial_dir(out: Path) -> Path:

@@ -69,6 +69,14 @@ def test_skip_bad_skips_and_counts(tmp_path):
     assert docs.get_many([0, 1]) == [HAND_CORPUS[0], HAND_CORPUS[1]]
 
 
+def test_a_lone_surrogate_is_a_bad_line(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps(HAND_CORPUS[0]) + "\n" + '{"id": 9, "contents": "bad \\ud800 text"}\n')
+    with pytest.raises(RetrieverError, match="corpus line 2: a lone UTF-16 surrogate"):
+        build_index(corpus, tmp_path / "idx", "bm25")
+    assert build_index(corpus, tmp_path / "idx2", "bm25", skip_bad=True).corpus.skipped_lines == 1
+
+
 def test_manifest_records_corpus_and_encoder(tmp_path, tiny_encoder):
     corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
     build_index(corpus, tmp_path / "idx", "flat", encoder=str(tiny_encoder), shard_size=3)
@@ -88,6 +96,49 @@ def test_existing_output_needs_overwrite(tmp_path):
         build_index(corpus, tmp_path / "idx", "bm25")
     write_jsonl(corpus, HAND_CORPUS[:3])
     assert build_index(corpus, tmp_path / "idx", "bm25", overwrite=True).corpus.rows == 3
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at one point of the build (BaseException: nothing in the build may catch it)."""
+
+
+@pytest.mark.parametrize("point", ["after dropping the shards", "after dropping the state", "with the old index aside"])
+def test_a_build_killed_while_finishing_resumes(tmp_path, monkeypatch, point):
+    import retriever.build as build_module
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
+    out = tmp_path / "idx"
+    if point == "with the old index aside":
+        build_index(write_jsonl(tmp_path / "old.jsonl", HAND_CORPUS[:2]), out, "bm25")
+    real_rmtree, real_unlink, real_rename = build_module.shutil.rmtree, Path.unlink, Path.rename
+
+    def rmtree(path, *a, **k):
+        real_rmtree(path, *a, **k)
+        if point == "after dropping the shards" and Path(path).name == "tokens":
+            raise Killed
+
+    def unlink(self, *a, **k):
+        real_unlink(self, *a, **k)
+        if point == "after dropping the state" and self.name == STATE_FILE:
+            raise Killed
+
+    def rename(self, target):
+        done = real_rename(self, target)
+        if point == "with the old index aside" and ".old-" in Path(target).name:
+            raise Killed
+        return done
+
+    with monkeypatch.context() as m:
+        m.setattr(build_module.shutil, "rmtree", rmtree)
+        m.setattr(Path, "unlink", unlink)
+        m.setattr(Path, "rename", rename)
+        with pytest.raises(Killed):
+            build_index(corpus, out, "bm25", overwrite=True)
+    assert not out.exists()
+    manifest = build_index(corpus, out, "bm25", overwrite=True)  # the same command again
+    assert manifest.corpus.rows == len(HAND_CORPUS) and read_manifest(out).corpus.rows == len(HAND_CORPUS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "idx"] + (["old.jsonl"] if "old" in point else [])
+    assert not (out / STATE_FILE).exists() and not (out / "tokens").exists()
 
 
 def _vectors(index_dir: Path) -> np.ndarray:

@@ -168,3 +168,9 @@ def test_timeout_becomes_an_error_result():
 def test_refused_connection_becomes_an_error_result():
     result = _run(_call(f"http://127.0.0.1:{free_port()}", "x", max_retries=1, backoff_s=0.01))
     assert result.error == "connection" and "cannot reach" in result.text
+
+
+def test_a_url_without_a_scheme_is_an_error_result_not_an_exception():
+    result = _run(_call(f"127.0.0.1:{free_port()}", "x", max_retries=3, backoff_s=0.01))
+    assert result.error == "connection" and "cannot use the search service URL" in result.text
+    assert result.metadata["attempts"] == 1  # no retry can fix a URL
