@@ -128,8 +128,21 @@ class CgroupSet:
 
     def set_memory(self, worker: str, memory_bytes: int) -> None:
         group = self.groups.get("memory") or self.groups["unified"]
-        name = "memory.limit_in_bytes" if self.version == "v1" else "memory.max"
-        _write(os.path.join(group, worker, name), str(memory_bytes))
+        if self.version == "v2":  # memory.swap.max stays 0
+            _write(os.path.join(group, worker, "memory.max"), str(memory_bytes))
+            return
+        # v1: memory+swap moves with the memory limit (no swapping around it), and may never be below it:
+        # lowering sets memory first, raising sets memory+swap first.
+        limit = os.path.join(group, worker, "memory.limit_in_bytes")
+        memsw = os.path.join(group, worker, "memory.memsw.limit_in_bytes")
+        order = [limit, memsw]
+        if os.path.exists(memsw):
+            with open(limit) as f:
+                if memory_bytes > int(f.read()):
+                    order.reverse()
+        for path in order:
+            if os.path.exists(path):
+                _write(path, str(memory_bytes))
 
     def attach(self, worker: str, pid: int) -> None:
         for group in self.groups.values():

@@ -211,3 +211,29 @@ print('found', sorted(found))
         second = pool.submit(run, server, reader, run_timeout=10)
         assert out(first.result()) == "wrote\n"
         assert out(second.result()) == "found []\n"
+
+
+def test_cgroup_v1_swap_limit_follows_the_memory_limit():
+    """Where swap is accounted (cgroup v1 memsw), a run's memory+swap limit is its memory limit, also
+    after a request lowers or raises it: no swapping around the budget."""
+    from sandbox.cgroups import CgroupSet
+
+    cgroups, why = CgroupSet.create()
+    if cgroups is None or cgroups.version != "v1":
+        pytest.skip(f"needs cgroup v1: {why}")
+    worker = f"test-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(cgroups.groups["memory"], worker)
+    try:
+        cgroups.make(worker, 1 << 30, 16)
+        if not os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+            pytest.skip("this kernel does not account swap (no memory.memsw.limit_in_bytes)")
+
+        def limits() -> tuple[int, int]:
+            return tuple(int(open(os.path.join(path, f)).read())
+                         for f in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
+
+        for mb in (512, 2048, 256):
+            cgroups.set_memory(worker, mb << 20)
+            assert limits() == (mb << 20, mb << 20)
+    finally:
+        cgroups.destroy()
