@@ -13,9 +13,12 @@ import binascii
 import posixpath
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SUPPORTED_LANGUAGES = ("python", "bash")
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
+ARG_STRLEN = 131072  # Linux's limit on one argv string (bash gets its code as `bash -c CODE`), NUL included
+ARGV_BYTES = 1 << 20  # all of a bash run's argv together (the kernel's ARG_MAX also counts the environment)
 
 
 def _check_relative(path: str) -> str:
@@ -24,6 +27,8 @@ def _check_relative(path: str) -> str:
         raise ValueError(f"{path!r} must be a relative path inside the working directory")
     if "\x00" in path:
         raise ValueError(f"{path!r} contains a NUL byte")
+    if any(len(part.encode()) > NAME_MAX for part in path.split("/")) or len(path.encode()) > PATH_MAX:
+        raise ValueError(f"{path[:60]!r}...: a path component is longer than {NAME_MAX} bytes or the path than {PATH_MAX}")
     return path
 
 
@@ -47,6 +52,10 @@ class _Program(BaseModel):
                     base64.b64decode(content, validate=True)
                 except (binascii.Error, ValueError) as e:
                     raise ValueError(f"content of {path!r} is not valid base64: {e}") from None
+        normal = sorted(posixpath.normpath(p) for p in files)
+        for a, b in zip(normal, normal[1:], strict=False):
+            if b == a or b.startswith(a + "/"):
+                raise ValueError(f"{a!r} and {b!r} collide: one file's path is (or is inside) another's")
         return files
 
     @field_validator("fetch_files")
@@ -61,6 +70,21 @@ class RunCodeRequest(_Program):
     run_timeout: float = Field(10, gt=0, description="wall-clock seconds (clamped to the server's maximum)")
     memory_limit_MB: int = Field(-1, description="memory budget in MB; <= 0 means the server default")
     args: list[str] = Field(default_factory=list, description="extra argv (sys.argv[1:] / $1...)")
+
+    @model_validator(mode="after")
+    def _bash_argv(self) -> RunCodeRequest:
+        """bash gets its code and args as argv strings, which the kernel bounds and cuts at NUL."""
+        if self.language != "bash":
+            return self
+        for name, text in [("code", self.code)] + [(f"args[{i}]", a) for i, a in enumerate(self.args)]:
+            if "\x00" in text:
+                raise ValueError(f"{name} contains a NUL byte, which a bash argument cannot hold")
+            if len(text.encode()) >= ARG_STRLEN:
+                raise ValueError(f"{name} is {len(text.encode())} bytes; bash takes at most {ARG_STRLEN - 1} in one argument")
+        total = sum(len(t.encode()) + 1 for t in [self.code, *self.args])
+        if total > ARGV_BYTES:
+            raise ValueError(f"bash code and args are {total} bytes together; at most {ARGV_BYTES}")
+        return self
 
 
 class SessionRunRequest(_Program):

@@ -157,6 +157,17 @@ def test_bad_input(server):
     big = post(server, {"code": "#" * (CODE_LIMIT + 1), "language": "python"})
     assert big.status_code == 413 and str(CODE_LIMIT) in big.json()["detail"]
     assert post(server, "x" * (70 << 20)).status_code == 413  # beyond max_request_bytes
+    # what the kernel would refuse when the run starts is refused here, naming it
+    for body, expected in [
+        ({"code": "echo a\x00b", "language": "bash"}, "NUL byte"),
+        ({"code": "echo $1", "language": "bash", "args": ["x" * 140_000]}, "args[0] is 140000 bytes"),
+        ({"code": "echo", "language": "bash", "args": ["x" * 100_000] * 11}, "at most 1048576"),
+        ({"code": "1", "language": "python", "files": {"a": "", "a/b": ""}}, "collide"),
+        ({"code": "1", "language": "python", "files": {"n" * 256: ""}}, "longer than 255 bytes"),
+    ]:
+        refused = post(server, body)
+        assert refused.status_code == 422 and expected in refused.json()["message"], refused.text
+    assert run(server, "echo ${#1}", language="bash", args=["x" * 100_000])["run_result"]["stdout"] == "100000\n"
 
 
 def test_bearer_token(server):
