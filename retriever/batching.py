@@ -37,6 +37,7 @@ class BatchStats:
     queries: int = 0
     batches: int = 0
     largest_batch: int = 0
+    abandoned: int = 0  # requests whose client left before their batch ran (their queries are not searched)
     histogram: dict[int, int] = field(default_factory=dict)  # batch size in queries (power of two) -> count
 
     def record(self, n_requests: int, n_queries: int) -> None:
@@ -88,6 +89,7 @@ class DynamicBatcher:
         return {
             "dynamic": self._merge, "max_batch_queries": self._max_queries, "max_wait_ms": self._max_wait * 1000,
             "requests": s.requests, "queries": s.queries, "batches": s.batches, "largest_batch": s.largest_batch,
+            "abandoned": s.abandoned,
             "batch_size_histogram": {str(k): v for k, v in sorted(s.histogram.items())},
         }  # fmt: skip
 
@@ -107,7 +109,11 @@ class DynamicBatcher:
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Pending(queries, k, future))
         self._arrived.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller gave up: the worker skips the cancelled future
+            self.stats.abandoned += 1
+            raise
 
     async def _gather(self) -> list[_Pending]:
         batch = [await self._queue.get()]

@@ -11,6 +11,7 @@ by searcher.py before the app exists. cli.py runs it under uvicorn.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -60,6 +61,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects: with the body read, the next ASGI message is the disconnect.
+    uvicorn does not cancel a handler whose client left, so /retrieve watches for it itself."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -> FastAPI:  # noqa: B008
     batcher = DynamicBatcher(
         opened.index.search, opened.docs.get_many, max_batch_queries=settings.max_batch_queries,
@@ -94,8 +102,15 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
         too_long = [i for i, q in enumerate(req.queries) if len(q) > settings.max_query_chars]
         if too_long:
             return _unprocessable(f"queries {too_long[:10]} exceed {settings.max_query_chars} characters")
+        search = asyncio.ensure_future(batcher.retrieve(req.queries, topk))
+        gone = asyncio.ensure_future(_client_gone(request))
+        await asyncio.wait({search, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not search.done():  # the client left (a timeout): its queries leave the queue unsearched
+            search.cancel()
+            return JSONResponse(status_code=499, content={"detail": "the client went away"})
         try:
-            hits = await batcher.retrieve(req.queries, topk)
+            hits = search.result()
         except Exception as e:  # noqa: BLE001 - reported to the client; the server keeps serving
             return JSONResponse(status_code=500, content={"detail": f"retrieval failed: {type(e).__name__}: {e}"})
         if req.return_scores:

@@ -8,6 +8,7 @@ import asyncio
 import math
 import re
 import threading
+import time
 from collections import Counter
 
 import httpx
@@ -210,3 +211,35 @@ def test_minilm_bfloat16_queries_against_a_float32_index(tmp_path):
     model = resolve_model_dir(DEFAULT_ENCODER)
     expected = (reference_embeddings(model, queries) @ reference_embeddings(model, [d["contents"] for d in HAND_CORPUS]).T).max(1)
     np.testing.assert_allclose([hits[0]["score"] for hits in result], expected, atol=1e-2)
+
+
+def test_a_request_whose_client_left_is_not_searched(tmp_path):
+    from retriever.searcher import open_index
+    from retriever.server import create_app
+    from tests.test_retriever_support import THREADS, serving
+
+    build_index(write_jsonl(tmp_path / "c.jsonl", BM25_CORPUS), tmp_path / "idx", "bm25")
+    opened = open_index(tmp_path / "idx", threads=THREADS)
+    entered, release, real_search = threading.Event(), threading.Event(), opened.index.search
+
+    def gated(queries, k):  # the first batch holds the batcher until the test lets it go
+        entered.set()
+        release.wait(30)
+        return real_search(queries, k)
+
+    opened.index.search = gated
+    with serving(create_app(opened)) as url:
+        first = threading.Thread(target=lambda: httpx.post(url + "/retrieve", json={"queries": ["wine"]}, timeout=60))
+        first.start()
+        assert entered.wait(30)
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the held batch, then gives up
+            httpx.post(url + "/retrieve", json={"queries": ["sushi", "paris"]}, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health").json()["batching"]["abandoned"] < 1:
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.1)  # polling the service's own state: it notices the disconnect on its own time
+        release.set()
+        first.join(30)
+        batching = httpx.get(url + "/health").json()["batching"]
+    assert batching["abandoned"] == 1
+    assert (batching["requests"], batching["queries"]) == (1, 1)  # only the first request was searched
