@@ -77,7 +77,7 @@ def tasks_validate(
 @tasks_app.command("show")
 def tasks_show(
     file: Annotated[Path, typer.Argument(help="A task spec file.")],
-    n: Annotated[int, typer.Option("-n", help="How many prompts to render.")] = 3,
+    n: Annotated[int, typer.Option("-n", min=1, help="How many prompts to render.")] = 3,
     overrides: SetOption = None,
     tokenizer: Annotated[
         str, typer.Option(help="Tokenizer (local dir or hub name) for chat templates and token counts.")

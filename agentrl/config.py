@@ -193,6 +193,8 @@ def _describe(err: Mapping[str, Any], model_cls: type[BaseModel], source: str) -
         return f"{source}: {loc}: required key is missing"
     msg = err["msg"]
     msg = msg[0].lower() + msg[1:] if msg else msg
+    if err["type"] == "value_error":  # a validator's own sentence says what is wrong and what is expected
+        return f"{source}: {loc + ': ' if loc else ''}{msg.removeprefix('value error, ')}"
     value = err.get("input")
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     where = f"{loc}: " if loc else ""

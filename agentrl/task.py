@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from agentrl.config import ConfigError, StrictModel, load_model
 from agentrl.types import Prompt
@@ -35,13 +35,19 @@ class Fields(StrictModel):
     question: str = "problem"
     answer: str = "answer"
     solution: str | None = "solution"  # when `answer` is absent or empty: the last \boxed{} of this field
-    id: str | None = None  # None: the row's position in the file
+    id: str | None = None  # None, or a row without this field: the row's position in the file
 
 
 class Condition(StrictModel):
     field: str
     op: Literal["eq", "ne", "in", "not_in", "lt", "le", "gt", "ge", "contains"] = "eq"
     value: Any
+
+    @model_validator(mode="after")
+    def _list_for_membership(self) -> Condition:
+        if self.op in ("in", "not_in") and not isinstance(self.value, list):
+            raise ValueError(f"op {self.op!r} needs a list as value, got {self.value!r}")
+        return self
 
     def holds(self, row: dict[str, Any]) -> bool:
         if self.field not in row:
@@ -50,7 +56,10 @@ class Condition(StrictModel):
         if self.op in ("in", "not_in"):
             return (x in v) == (self.op == "in")
         if self.op == "contains":
-            return v in x
+            try:
+                return v in x
+            except TypeError:  # the row's value holds nothing (a number): it does not contain v
+                return False
         ops = {"eq": x == v, "ne": x != v}
         if self.op in ops:
             return ops[self.op]
@@ -132,7 +141,18 @@ class RewardSpec(StrictModel):
     def _known(self) -> RewardSpec:
         from agentrl.rewards import params_model  # lazy: rewards import the grader
 
-        params_model(self.name).model_validate(self.params)
+        model = params_model(self.name)
+        try:
+            model.model_validate(self.params)
+        except ValidationError as e:  # name the keys under `params`, and the ones this reward takes
+            problems = []
+            for err in e.errors():
+                loc = ".".join(["params", *(str(p) for p in err["loc"])])
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown key {loc!r}; {self.name} takes: {', '.join(model.model_fields)}")
+                else:
+                    problems.append(f"{loc}: {err['msg']}")
+            raise ValueError("; ".join(problems)) from None
         return self
 
 
@@ -218,12 +238,27 @@ class Task:
 
     def rows(self) -> list[Row]:
         ds = self.spec.dataset
-        raw = [(i, r) for i, r in enumerate(self.raw_rows()) if all(c.holds(r) for c in ds.filter)]
+        every = self.raw_rows()
+        self._check_named_fields(every)
+        raw = [(i, r) for i, r in enumerate(every) if all(c.holds(r) for c in ds.filter)]
+        if ds.filter and every and not raw:
+            raise ConfigError(f"{self.source}: dataset.filter: keeps none of the {len(every)} rows of {ds.path}")
         if ds.shuffle:
             random.Random(ds.seed).shuffle(raw)
         if ds.limit is not None:
             raw = raw[: ds.limit]
         return [self._resolve(i, r) for i, r in raw]
+
+    def _check_named_fields(self, rows: list[dict[str, Any]]) -> None:
+        """A filter's field that no row has is a typo: say so instead of dropping every row. (`fields.id`
+        and `fields.answer` have fallbacks by design: the row's position, the solution's \boxed{}.)"""
+        ds = self.spec.dataset
+        named = [(f"dataset.filter[{i}].field", c.field) for i, c in enumerate(ds.filter)]
+        present = set().union(*(r.keys() for r in rows)) if rows else set()
+        for where, field in named:
+            if rows and field not in present:
+                raise ConfigError(f"{self.source}: {where}: no row of {ds.path} has a field {field!r}; "
+                                  f"they have: {', '.join(sorted(present))}")
 
     def _resolve(self, index: int, row: dict[str, Any]) -> Row:
         f, ds = self.spec.dataset.fields, self.spec.dataset

@@ -38,3 +38,9 @@ def test_services_do_not_import_torch(package):
     out = run_python(f"import sys, {package}; print('torch' in sys.modules)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_tasks_show_refuses_a_count_below_one():
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "show", "tasks/torl_math.yaml", "-n", "0"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "Invalid value for '-n'" in out.stderr

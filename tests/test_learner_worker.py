@@ -172,7 +172,7 @@ def test_checkpoint_resume_in_one_process(tmp_path: Path) -> None:
     worker = PolicyWorker(cfg, algo, model=tiny_lm(seed=5))
     worker.train_step(batch_for(0))
     worker.save(str(tmp_path / "ckpt"), extra={"data_position": 1})
-    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"model_optim", "learner.pt", "rng_rank0.pt"}
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"model_optim", "learner.pt", "rng_rank0.pt", "COMPLETE"}
     assert (tmp_path / "ckpt" / "model_optim" / ".metadata").exists() and not (tmp_path / "ckpt.tmp").exists()
     expected = worker.train_step(batch_for(1))
     resumed = PolicyWorker(cfg, algo, model=tiny_lm(seed=6))  # other weights until loaded
@@ -181,6 +181,36 @@ def test_checkpoint_resume_in_one_process(tmp_path: Path) -> None:
     assert got["actor/loss"] == expected["actor/loss"]
     assert got["actor/lr"] == expected["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # second warmup step
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(worker.state_for_sync(), resumed.state_for_sync(), strict=True))
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at one point of a save."""
+
+
+@pytest.mark.parametrize("renames_done", [1, 2])
+def test_a_save_killed_while_swapping_directories_loses_nothing(tmp_path: Path, monkeypatch, renames_done) -> None:
+    worker = PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=5))
+    path = tmp_path / "ckpt"
+    worker.save(str(path), extra={"data_position": 1})
+    real_rename, done = Path.rename, []
+
+    def rename(self, target):  # the first `renames_done` swaps of the next save happen, then the kill
+        result = real_rename(self, target)
+        if Path(target).parent == tmp_path:  # not torch.distributed.checkpoint's own renames inside
+            done.append(target)
+            if len(done) == renames_done:
+                raise Killed
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", rename)
+        with pytest.raises(Killed):
+            worker.save(str(path), extra={"data_position": 2})
+    resumed = PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=6))
+    assert resumed.load(str(path)) == {"data_position": 2}  # the newer save was complete: it is the one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    worker.save(str(path), extra={"data_position": 3})  # and saving goes on as usual
+    assert resumed.load(str(path)) == {"data_position": 3}
 
 
 def test_reference_and_critic_workers() -> None:

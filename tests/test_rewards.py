@@ -95,6 +95,8 @@ NOT_EQUAL = [
     ("Evelyn", "Navin"), (r"\text{(C)}", "B"), ("6-5i", "6+5i"), ("x^2", "x^3"), ("0", "1"), (r"90^\circ", "45"),
     (r"-\frac{\pi}{6}", r"\frac{\pi}{6}"), (r"\infty", r"-\infty"), ("1e3", "1e4"), ("2x+3", "2x-3"),
     ("5", ""), ("", "5"), (r"\frac{1}{2}", r"\frac{1}{2"),
+    # a percent sign reads both ways on its own side only; an integer gold takes float noise, not near misses
+    (r"50\%", "5000"), ("800", r"8\%"), ("70000", "70006.5"), ("204", "204.01"), ("3159.0", "3159.3"),
 ]
 
 
@@ -198,7 +200,8 @@ def test_malformed_input_gets_the_failing_score(response, gold) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "answer", [r"10^{10^{10^{10^{10}}}}", r"10^{10^{10}}", "1000000!", r"(10^{10})!", r"2^{2^{2^{2^{2^{2}}}}}"]
+    "answer", [r"10^{10^{10^{10^{10}}}}", r"10^{10^{10}}", "1000000!", r"(10^{10})!", r"2^{2^{2^{2^{2^{2}}}}}",
+               "12 cm" + "\n" * 40_000 + "6"]  # a unit, then a long run of whitespace (was quadratic: 76 s)
 )
 def test_pathological_answer_ends_as_wrong(answer: str) -> None:
     reward = MathReward(MathReward.Params(timeout_s=2.0))
@@ -225,6 +228,20 @@ def test_a_dead_worker_is_replaced() -> None:
         assert pool.verify(r"\sqrt{8}", r"2\sqrt{2}", timeout_s=30) is True
         (replacement,) = list(pool._slots.queue)
         assert replacement is not worker and replacement.proc.poll() is None
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_idle_worker_dead_still_grades_right() -> None:
+    pool = verify_pool.VerifyPool(2)
+    try:
+        workers = list(pool._slots.queue)
+        for worker in workers:
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            worker.proc.wait()
+        assert pool.verify(r"\sqrt{9}", "3+0*y", timeout_s=30) is True  # the retry gets a fresh worker
+        assert pool.verify(r"\sqrt{8}", r"2\sqrt{2}", timeout_s=30) is True
     finally:
         pool.close()
 

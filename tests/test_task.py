@@ -90,6 +90,25 @@ def test_filter_shuffle_limit_are_seeded(tmp_path):
     assert [r.question for r in within] == ["q1", "q2", "q4", "q5"]
 
 
+def test_filters_and_reward_params_that_cannot_be_right_are_named(tmp_path):
+    rows = [{"problem": f"q{i}", "answer": str(i), "level": i % 3} for i in range(6)]
+    path = write_jsonl(tmp_path / "m.jsonl", rows)
+    cases = [
+        ("dataset.filter=[{field: levle, value: 1}]", r"dataset\.filter\[0\]\.field: no row of .* has a field 'levle'; they have: answer, level, problem"),
+        ("dataset.filter=[{field: level, value: 7}]", "dataset.filter: keeps none of the 6 rows"),
+        ("dataset.filter=[{field: level, op: in, value: 1}]", "op 'in' needs a list as value, got 1"),
+        ("reward.params={corect: 2.0}", "unknown key 'params.corect'; math takes: correct, incorrect"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_task(TORL, [f"dataset.path={path}", override]).rows()
+    # contains on a number is "does not contain", not a crash
+    kept = load_task(TORL, [f"dataset.path={path}", "dataset.filter=[{field: level, op: contains, value: 1}, "
+                                                     "{field: problem, op: contains, value: q}]"])
+    with pytest.raises(ConfigError, match="keeps none"):
+        kept.rows()
+
+
 def test_answer_regex_reads_gsm8k_answers(tmp_path):
     path = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "Eggs?", "answer": "16 - 3 = 13\n#### 18"}])
     task = load_task(TORL, [f"dataset.path={path}", "dataset.fields.question=question",

@@ -1,6 +1,8 @@
 """Checkpoints, HF export and full-tensor iteration of a sharded module (worker.py's state methods).
 
-Checkpoint layout (a directory; written to `<dir>.tmp` and renamed once every rank has finished):
+Checkpoint layout (a directory; written to `<dir>.tmp`, marked COMPLETE once every rank has finished, then
+swapped in: the previous `<dir>` moves to `<dir>.old`, `<dir>.tmp` becomes `<dir>`, `<dir>.old` goes. A
+save killed anywhere leaves a complete checkpoint that the next save or load finds: `_recover`):
 
     <dir>/model_optim/   torch.distributed.checkpoint: {"model": sharded weights, "optim": AdamW moments},
                          one .distcp file per rank plus .metadata; loadable on another number of ranks
@@ -56,8 +58,10 @@ def save(
 ) -> None:
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
-    if ctx.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
+    if ctx.rank == 0:
+        _recover(final)  # a newer complete checkpoint in .tmp must not be deleted as a leftover
+        if tmp.exists():
+            shutil.rmtree(tmp)
     dist.barrier()
     payload: dict[str, Any] = {"model": get_model_state_dict(module)}
     if optimizer is not None:
@@ -68,10 +72,30 @@ def save(
         torch.save(state | {"scheduler": scheduler.state_dict() if scheduler else None}, tmp / "learner.pt")
     dist.barrier()
     if ctx.rank == 0:
+        (tmp / COMPLETE).touch()
+        old = final.with_name(final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            final.rename(old)
         tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
     dist.barrier()
+
+
+COMPLETE = "COMPLETE"  # in <dir>.tmp: every rank finished writing it
+
+
+def _recover(final: Path) -> None:
+    """Finish a save that was killed while swapping directories (rank 0): the newest complete checkpoint
+    becomes `final` again; a leftover `.old` goes."""
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    if not final.exists():
+        if (tmp / COMPLETE).exists():
+            tmp.rename(final)
+        elif old.exists():
+            old.rename(final)
+    if final.exists() and old.exists():
+        shutil.rmtree(old)
 
 
 def load(
@@ -79,6 +103,9 @@ def load(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None, ctx: DistContext,
 ) -> dict[str, Any]:
     root = Path(path)
+    if ctx.rank == 0:
+        _recover(root)
+    dist.barrier()
     if not (root / "learner.pt").exists():
         raise FileNotFoundError(f"{root}: not a learner checkpoint (no learner.pt)")
     payload: dict[str, Any] = {"model": get_model_state_dict(module)}

@@ -99,7 +99,9 @@ _SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ$")
 _TEXT_COMMANDS = re.compile(r"\\(?:text|textrm|textbf|textit|mbox|mathrm|mathbf|boldsymbol|mathit)\s*\{")
 _TRAILING_TEXT = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}\s*(?:\^\s*\{?[23]\}?)?\s*$")
-_TRAILING_WORDS = re.compile(r"(.*?[\d})])\s+([a-zA-Z][a-zA-Z. ]*?)\s*(?:\^\s*\{?[23]\}?)?")
+# Unambiguous (one way to split any string), so that a long run of spaces costs linear time; the answer's
+# whitespace is collapsed to single spaces before.
+_TRAILING_WORDS = re.compile(r"(.*?[\d})]) ([a-zA-Z][a-zA-Z.]*(?: [a-zA-Z.]+)*) ?(?:\^ ?\{?[23]\}?)?")
 # Units and counting words that follow a number in an answer ("5 cm", "30 degrees", "\text{ inches}").
 _UNIT_WORDS = frozenset(
     """mm cm m km meter meters metre metres centimeter centimeters millimeter millimeters kilometer
@@ -189,6 +191,7 @@ def normalize_answer(s: Any) -> str:
     for old, new in _REPLACEMENTS:
         s = s.replace(old, new)
     s = _SPACING.sub(" ", re.sub(r"(?<!\\)\\!", "", s))
+    s = _WHITESPACE.sub(" ", s)
     s = _COMMAND_SYNONYM.sub(lambda m: "\\" + _COMMAND_SYNONYMS[m.group(1)], s)
     s = _SIZING.sub("", s)
     s = _DEGREES.sub("", s.strip())
@@ -213,16 +216,18 @@ def normalize_answer(s: Any) -> str:
 
 # --- numbers ------------------------------------------------------------------------------------------
 
+_WHITESPACE = re.compile(r"\s+")
 _DECIMAL = re.compile(r"(\d+\.?\d*|\.\d+)(?:[eE]([+-]?\d+))?")
 _FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
 _SLASH = re.compile(r"([^/]+)/([^/]+)")
 _POWER = re.compile(r"(?:(.+?)(?:\\times|\\cdot|\*))?(\d+(?:\.\d+)?)\^(?:\{([+-]?\d+)\}|(\d))")
 _MAX_DIGITS = 2000  # bigger exact numbers are left to the worker, which can be killed
-# Two numbers are equal when equal as fractions or, unless both are integers, within this relative
-# distance: Qwen2.5-Math's (and so ToRL's) tolerance. It accepts 0.3333 for 1/3 (but not 0.333) and the
-# code tool's float noise (0.30000000000000004 for 0.3). Unlike Qwen's grader, two integers must be
-# equal (10000 vs 10001 is wrong).
+# Two numbers are equal when equal as fractions or, for a gold that is not an integer, within this
+# relative distance: Qwen2.5-Math's (and so ToRL's) tolerance. It accepts 0.3333 for 1/3 (but not 0.333)
+# and the code tool's float noise (0.30000000000000004 for 0.3). Unlike Qwen's grader, an integer gold
+# (AIME, AMC, GSM8K) takes only float noise: 10001 and 204.01 are not 10000 and 204.
 REL_TOL = 1e-4
+FLOAT_NOISE = 1e-9
 
 
 def _to_number(s: str) -> Fraction | None:
@@ -250,21 +255,26 @@ def _to_number(s: str) -> Fraction | None:
     return None
 
 
-def _numbers_equal(a: Fraction, b: Fraction) -> bool:
-    if a == b:
+def _numbers_equal(pred: Fraction, gold: Fraction) -> bool:
+    if pred == gold:
         return True
-    if a.denominator == 1 and b.denominator == 1:
-        return False
-    return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
+    if gold.denominator == 1:  # an integer answer: only float noise, never a near miss (204.01 is not 204)
+        return abs(pred - gold) <= FLOAT_NOISE * max(abs(pred), abs(gold))
+    return abs(pred - gold) <= REL_TOL * max(abs(pred), abs(gold))
 
 
-def _numeric_verdict(pred: str, gold: str, percent: bool) -> bool | None:
-    """True/False when both answers are plain numbers, None when the question is sympy's. With a
-    percent sign on either side, 50% also equals 0.5."""
+def _numeric_verdict(pred: str, gold: str, pred_percent: bool, gold_percent: bool) -> bool | None:
+    """True/False when both answers are plain numbers, None when the question is sympy's. A percent
+    sign reads both ways on its own side only: a gold of 50% also accepts 0.5, a prediction of 50% also
+    matches a gold of 0.5 (but 5000 never equals 50%)."""
     p, g = _to_number(pred), _to_number(gold)
     if p is None or g is None:
         return None
-    candidates = [(p, g), (p, g / 100), (p / 100, g)] if percent else [(p, g)]
+    candidates = [(p, g)]
+    if gold_percent:
+        candidates.append((p, g / 100))
+    if pred_percent:
+        candidates.append((p / 100, g))
     return any(_numbers_equal(x, y) for x, y in candidates)
 
 
@@ -281,7 +291,7 @@ def is_equiv(pred: Any, gold: Any, timeout_s: float = 5.0) -> bool:
             return False
         if p == g:
             return True
-        verdict = _numeric_verdict(p, g, percent="%" in pred or "%" in gold)
+        verdict = _numeric_verdict(p, g, pred_percent="%" in pred, gold_percent="%" in gold)
         if verdict is not None:
             return verdict
         return verify_pool.verify(p, g, timeout_s)

@@ -183,32 +183,34 @@ class VerifyPool:
             return None
 
     def verify(self, pred: str, gold: str, timeout_s: float) -> bool:
-        for _ in range(2):  # a worker found dead (killed while idle, say) gets one fresh replacement
-            worker = self._slots.get()
-            healthy = False
-            try:
+        worker = self._slots.get()
+        try:
+            for _ in range(2):  # a worker found dead (killed while idle, say) is replaced by a fresh one, once
                 if worker is None:
                     worker = self._start()
                 if worker is None:
                     return _compare_without_process(pred, gold, timeout_s)
-                result = worker.call(pred, gold, timeout_s)
-                healthy = True
-                return result
-            except TimeoutError as e:  # before OSError: TimeoutError is one
-                _log.debug("%s; killing the worker", e)
-                return False  # a timeout counts as "not equal"
-            except (EOFError, OSError) as e:
-                _log.debug("math-verify worker died (%r); retrying with a fresh one", e)
-            except Exception:
-                _log.warning("math-verify worker failed; graded as not equal", exc_info=True)
-                return False
-            finally:
-                # A worker that did not answer may still hold our request: it can never be reused.
-                if worker is not None and (not healthy or self._closed):
-                    worker.stop(kill=not healthy)
-                    worker = None
-                self._slots.put(worker)
-        return False
+                healthy = False
+                try:
+                    result = worker.call(pred, gold, timeout_s)
+                    healthy = True
+                    return result
+                except TimeoutError as e:  # before OSError: TimeoutError is one
+                    _log.debug("%s; killing the worker", e)
+                    return False  # a timeout counts as "not equal"
+                except (EOFError, OSError) as e:
+                    _log.debug("math-verify worker died (%r); retrying with a fresh one", e)
+                except Exception:
+                    _log.warning("math-verify worker failed; graded as not equal", exc_info=True)
+                    return False
+                finally:
+                    # A worker that did not answer may still hold our request: it can never be reused.
+                    if not healthy or self._closed:
+                        worker.stop(kill=not healthy)
+                        worker = None
+            return False
+        finally:
+            self._slots.put(worker)
 
     def close(self) -> None:
         self._closed = True
