@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from retriever.errors import RetrieverError
 
@@ -75,31 +75,45 @@ def resolve_model_dir(name: str) -> Path:
     raise RetrieverError(f"encoder {name!r}: no such directory, and not a hub id (org/name)")
 
 
-def prefix_style_for(name: str) -> str:
-    """e5 and bge families by name; bge-m3 needs no instruction."""
-    n = name.lower()
-    if re.search(r"(^|[^a-z0-9])e5([^a-z0-9]|$)", n):
+def model_name(name: str, path: Path) -> str:
+    """The model's own name, which tells its family: a hub id's last part, the name in a Hugging Face cache
+    path (models--org--name/snapshots/<hash>), else the local directory's name. Never the directories
+    above it: a model kept under /home/bgeorge/ is not a bge model."""
+    for part in reversed(path.parts):
+        if part.startswith("models--"):
+            return part.split("--")[-1].lower()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not Path(name).exists():
+        return name.split("/")[-1].lower()
+    return path.name.lower()
+
+
+def _has_word(name: str, word: str) -> bool:
+    return re.search(rf"(^|[^a-z0-9]){word}([^a-z0-9]|$)", name) is not None
+
+
+def prefix_style_for(model: str) -> str:
+    """e5 and bge families by the model's own name (`model_name`); bge-m3 needs no instruction."""
+    if _has_word(model, "e5"):
         return "e5"
-    if "bge" in n and "m3" not in n:
+    if _has_word(model, "bge") and "m3" not in model:
         return "bge"
     return "none"
 
 
-def default_pooling(name: str, path: Path) -> Literal["mean", "cls"]:
-    """bge: CLS; e5: mean; otherwise what a sentence-transformers layout says (1_Pooling), else mean."""
-    if "bge" in name.lower():
-        return "cls"
+def default_pooling(model: str, path: Path) -> Literal["mean", "cls"]:
+    """What the model's sentence-transformers layout says (1_Pooling), else CLS for bge and mean otherwise."""
     pooling_config = path / "1_Pooling" / "config.json"
-    if prefix_style_for(name) != "e5" and pooling_config.exists():
-        if json.loads(pooling_config.read_text()).get("pooling_mode_cls_token"):
-            return "cls"
-    return "mean"
+    if pooling_config.exists():
+        return "cls" if json.loads(pooling_config.read_text()).get("pooling_mode_cls_token") else "mean"
+    return "cls" if _has_word(model, "bge") else "mean"
 
 
-def model_fingerprint(path: Path) -> str:
-    """A hash of the config, the tokenizer files and a sample of every weight file (size, header, and
-    16 blocks spread through it): the same model copied elsewhere matches, another model does not,
-    and a 14 GB model is fingerprinted in milliseconds."""
+def model_fingerprint(path: Path, scheme: int = 2) -> str:
+    """A hash of the config, the tokenizer files and a sample of the weights: the same model copied
+    elsewhere matches, another model does not, and a 14 GB model is fingerprinted in milliseconds.
+    Scheme 2 ("2:..."): for safetensors, its header and 4 KiB from the start, middle and end of every tensor
+    (a fine-tune of the biases or norms alone changes it); other weight files, and scheme 1 (indexes
+    built before it), 17 blocks of 64 KiB spread through each file."""
     h = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.is_file()):
         if f.suffix in (".json", ".txt", ".model") and f.stat().st_size < (64 << 20):
@@ -108,10 +122,41 @@ def model_fingerprint(path: Path) -> str:
             size = f.stat().st_size
             h.update(f"{f.name}\0{size}".encode())
             with open(f, "rb") as fh:
+                if scheme == 2 and f.suffix == ".safetensors":
+                    _hash_tensors(fh, h)
+                    continue
                 for i in range(17):
                     fh.seek(size * i // 17)
                     h.update(fh.read(1 << 16))
-    return h.hexdigest()[:32]
+    return f"2:{h.hexdigest()[:32]}" if scheme == 2 else h.hexdigest()[:32]
+
+
+def _hash_tensors(fh: Any, h: Any) -> None:
+    """The safetensors header, then 4 KiB from the start, middle and end of each tensor's bytes."""
+    header_len = int.from_bytes(fh.read(8), "little")
+    header = fh.read(header_len)
+    h.update(header)
+    base = 8 + header_len
+    for name, info in sorted(json.loads(header).items()):
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        for at in sorted({start, max(start, (start + end) // 2 - 2048), max(start, end - 4096)}):
+            fh.seek(base + at)
+            h.update(fh.read(min(4096, end - at)))
+
+
+def position_limit(config: Any, tokenizer: Any) -> int:
+    """The most tokens the model can embed: its position table, less the offset RoBERTa-style models
+    (XLM-R, multilingual e5) start positions at (pad_token_id + 1: 514 entries hold 512 tokens), and no
+    more than the tokenizer's declared maximum where it declares a real one."""
+    limit = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") and config.pad_token_id is not None:
+        limit -= config.pad_token_id + 1
+    declared = getattr(tokenizer, "model_max_length", None)
+    if isinstance(declared, int) and declared < 1 << 30:  # transformers' "unset" is a huge sentinel
+        limit = min(limit, declared)
+    return limit
 
 
 def resolve_encoder(
@@ -125,7 +170,8 @@ def resolve_encoder(
 ) -> EncoderSpec:
     """Everything needed to encode as the index was encoded; explicit arguments override the name's family."""
     path = resolve_model_dir(name)
-    style = prefix_style_for(f"{name} {path.name}") if prefix_style == "auto" else prefix_style
+    model = model_name(name, path)
+    style = prefix_style_for(model) if prefix_style == "auto" else prefix_style
     if style not in PREFIX_STYLES:
         raise RetrieverError(f"--prefix-style {prefix_style!r}: expected auto, e5, bge or none")
     if pooling not in (None, "mean", "cls"):
@@ -134,7 +180,7 @@ def resolve_encoder(
     return EncoderSpec(
         name=name,
         path=path,
-        pooling=pooling or default_pooling(f"{name} {path.name}", path),  # type: ignore[arg-type]
+        pooling=pooling or default_pooling(model, path),  # type: ignore[arg-type]
         query_prefix=q if query_prefix is None else query_prefix,
         passage_prefix=p if passage_prefix is None else passage_prefix,
         max_length=max_length,
@@ -203,8 +249,7 @@ class DenseEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
         model = AutoModel.from_pretrained(spec.path, local_files_only=True)
         self.dimension = int(model.config.hidden_size)
-        limit = getattr(model.config, "max_position_embeddings", None) or spec.max_length
-        self.max_length = min(spec.max_length, int(limit))
+        self.max_length = min(spec.max_length, position_limit(model.config, self.tokenizer))
         self.precision = resolve_precision(precision, gpu)
         model = model.to(getattr(torch, self.precision)).to(self.device).eval()
         n_gpus = torch.cuda.device_count() if gpu else 1

@@ -2,8 +2,10 @@
 
 `resolve_params` fills the automatic parameters from the corpus size and dimension (a pure function, so
 the manifest records exactly what was built). `build_faiss` adds the embedding shards one at a time (the
-embeddings never sit in RAM twice) and trains IVF-PQ on a random sample. With faiss-gpu and GPUs, Flat and
-IVF-PQ are built and searched sharded across all of them (fp16), HNSW stays on the CPU.
+embeddings never sit in RAM twice) and trains IVF-PQ on a random sample. With faiss-gpu and GPUs, IVF-PQ
+is trained and filled on the first GPU (one index: faiss's sharded wrapper takes a single add() and would
+train each shard on its own), and Flat and IVF-PQ are searched sharded across all of them (fp16); a Flat
+build stays on the CPU (its adds are copies), as does HNSW (no GPU version).
 build.py calls the builder; searcher.py loads and searches.
 """
 
@@ -128,14 +130,24 @@ def _to_all_gpus(index: faiss.Index) -> faiss.Index:
     return faiss.index_cpu_to_all_gpus(index, co=options)
 
 
-def _onto_gpus(index: faiss.Index, index_type: str, use_gpu: bool) -> tuple[faiss.Index, bool]:
-    """`index` sharded over every GPU when wanted and possible, else itself; and whether it went. faiss-gpu
+def _to_first_gpu(index: faiss.Index) -> faiss.Index:
+    options = faiss.GpuClonerOptions()
+    options.useFloat16 = True
+    resources = faiss.StandardGpuResources()
+    gpu = faiss.index_cpu_to_gpu(resources, 0, index, options)
+    gpu.agentrl_resources = resources  # the GPU index must not outlive its resources
+    return gpu
+
+
+def _onto_gpus(index: faiss.Index, index_type: str, use_gpu: bool, for_build: bool = False) -> tuple[faiss.Index, bool]:
+    """`index` on the GPUs when wanted and possible, else itself; and whether it went. For search, sharded
+    over every GPU; for a build, IVF-PQ alone goes, to the first GPU (see the module docstring). faiss-gpu
     refuses indexes it cannot hold, such as IVF-PQ with codes of other than 8 bits (the automatic choice
     below 2,560 passages): those stay on the CPU, said on stderr. HNSW has no GPU version."""
-    if not use_gpu or index_type == "hnsw" or gpu_count() == 0:
+    if not use_gpu or index_type == "hnsw" or (for_build and index_type != "ivfpq") or gpu_count() == 0:
         return index, False
     try:
-        return _to_all_gpus(index), True
+        return (_to_first_gpu(index) if for_build else _to_all_gpus(index)), True
     except RuntimeError as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         print(f"faiss-gpu cannot hold this index ({why}); using the CPU", file=sys.stderr)
@@ -151,7 +163,7 @@ def build_faiss(
     use_gpu: bool,
 ) -> faiss.Index:
     """Train (IVF-PQ, on `sample(train_size)`), then add every shard; returns a CPU index to write."""
-    index, on_gpu = _onto_gpus(make_index(index_type, dim, params), index_type, use_gpu)
+    index, on_gpu = _onto_gpus(make_index(index_type, dim, params), index_type, use_gpu, for_build=True)
     if not index.is_trained:
         index.train(np.ascontiguousarray(sample(params["train_size"]), dtype=np.float32))
     for chunk in shards():

@@ -65,7 +65,7 @@ def _config_dimension(path: Path) -> int | None:
 
 def _check_encoder(manifest: Manifest, directory: Path, name: str | None):
     """The EncoderSpec to serve with: the manifest's, or `name` if it is a copy of the same model."""
-    from retriever.encoder import resolve_encoder
+    from retriever.encoder import model_fingerprint, resolve_encoder
 
     built = manifest.encoder
     assert built is not None  # read_manifest guarantees it for dense indexes
@@ -80,7 +80,8 @@ def _check_encoder(manifest: Manifest, directory: Path, name: str | None):
             f"encoder {spec.name!r} ({spec.path}) has dimension {dimension}. Serve it with the encoder it was "
             "built with, or rebuild the index with this one"
         )
-    if spec.fingerprint != built.fingerprint:
+    current = spec.fingerprint if built.fingerprint.startswith("2:") else model_fingerprint(spec.path, scheme=1)
+    if current != built.fingerprint:
         raise RetrieverError(
             f"{directory} was built with encoder {built.name!r}, and {spec.name!r} ({spec.path}) is a different "
             "model (its config, tokenizer or weights differ): its query vectors would not match the passage "

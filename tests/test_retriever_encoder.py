@@ -88,6 +88,21 @@ def test_prefixes_and_pooling_follow_the_name(encoders):
     assert (plain.query_prefix, plain.passage_prefix, plain.pooling) == ("", "", "mean")
 
 
+def test_only_the_model_s_own_name_tells_its_family(tmp_path, encoders):
+    import shutil
+
+    # a plain model kept under directories whose names hold "bge" or "e5" is still plain
+    for parent in ("home/bgeorge/models", "exp/e5-vs-bm25"):
+        copy = tmp_path / parent / "tiny-plain"
+        shutil.copytree(encoders["plain"], copy)
+        spec = resolve_encoder(str(copy))
+        assert (spec.query_prefix, spec.passage_prefix, spec.pooling) == ("", "", "mean"), parent
+    # a Hugging Face cache path: the family is in models--org--name, not in the snapshot hash
+    cached = tmp_path / "hub" / "models--BAAI--bge-small-en" / "snapshots" / "0123abc"
+    shutil.copytree(encoders["plain"], cached)
+    assert resolve_encoder(str(cached)).query_prefix == BGE_QUERY_INSTRUCTION
+
+
 def test_explicit_flags_override_the_name(encoders):
     spec = resolve_encoder(str(encoders["plain"]), prefix_style="e5", pooling="cls")
     assert (spec.query_prefix, spec.passage_prefix, spec.pooling) == ("query: ", "passage: ", "cls")
@@ -157,6 +172,45 @@ def test_a_moved_copy_of_the_encoder_is_accepted_and_mmap_serves_the_same(plain_
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_fine_tune_of_one_small_tensor_is_another_model(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from retriever.encoder import model_fingerprint
+
+    base = make_tiny_bert(tmp_path / "base", hidden=256)  # ~8 MB: the first scheme's 17 x 64 KiB miss most
+    tuned = shutil.copytree(base, tmp_path / "tuned")
+    path = tuned / "model.safetensors"
+    size = path.stat().st_size
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    sampled = [(size * i // 17, size * i // 17 + (1 << 16)) for i in range(17)]
+
+    def unsampled(name: str) -> bool:
+        a, b = (8 + header_len + x for x in header[name]["data_offsets"])
+        return all(b <= lo or a >= hi for lo, hi in sampled)
+
+    name = next(n for n in sorted(header) if n.endswith("LayerNorm.bias") and unsampled(n))
+    weights = load_file(path)
+    weights[name] = weights[name] + 0.5  # a norms-only fine-tune: one small tensor
+    save_file(weights, path, metadata={"format": "pt"})
+    assert path.stat().st_size == size
+    assert model_fingerprint(tuned, scheme=1) == model_fingerprint(base, scheme=1)  # what the first scheme missed
+    assert model_fingerprint(tuned) != model_fingerprint(base)
+    assert model_fingerprint(shutil.copytree(base, tmp_path / "moved")) == model_fingerprint(base)
+
+
+def test_an_index_fingerprinted_by_the_first_scheme_still_opens(plain_index, encoders, tmp_path):
+    from retriever.encoder import model_fingerprint
+
+    copy = shutil.copytree(plain_index, tmp_path / "old-index")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["encoder"]["fingerprint"] = model_fingerprint(encoders["plain"], scheme=1)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert open_index(copy, threads=THREADS).index.size == len(HAND_CORPUS)
+    with pytest.raises(RetrieverError, match=r"is a different model"):
+        open_index(copy, encoder=str(encoders["other"]))
+
+
 def test_a_tampered_manifest_dimension_is_refused(plain_index, tmp_path):
     copy = shutil.copytree(plain_index, tmp_path / "copy")
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -173,3 +227,21 @@ def test_serve_cli_exits_with_the_error(plain_index, encoders):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "dimension 48" in result.stderr
+
+
+def test_roberta_style_positions_cap_the_length(tmp_path):
+    """XLM-R / multilingual-e5 start positions at pad_token_id + 1: 34 position entries hold 33 tokens,
+    and a longer passage is cut there instead of indexing past the table."""
+    from transformers import AutoTokenizer, XLMRobertaConfig, XLMRobertaModel
+
+    from retriever.encoder import DenseEncoder
+
+    directory = make_tiny_bert(tmp_path / "tiny-xlmr")
+    tok = AutoTokenizer.from_pretrained(directory)
+    config = XLMRobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=64, max_position_embeddings=34, pad_token_id=tok.pad_token_id)
+    XLMRobertaModel(config).save_pretrained(directory)
+    encoder = DenseEncoder(resolve_encoder(str(directory), max_length=64), device="cpu", precision="float32")
+    assert encoder.max_length == 34 - tok.pad_token_id - 1
+    vectors = encoder.encode(["word " * 100, "short"], "passage")
+    assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
