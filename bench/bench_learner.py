@@ -162,7 +162,7 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
     warmup = 2 if compiled else 1
-    best_rl: dict[str, float] = {}
+    rl_rates: dict[int, float] = {}  # budget -> useful tokens/s
     workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
                   setup.row_len, False)]
     for budget in args.budgets:
@@ -172,8 +172,6 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
         batch = my_batch(setup, trajs, budget)
         tokens = float(batch.num_tokens)  # this rank's; ranks are balanced
         try:
-            if args.profile and label == workloads[0][0]:
-                profile(setup, lambda b=batch: worker.train_step(b))
             seconds, peak = timed(setup, lambda b=batch: worker.train_step(b), warmup, args.steps)
         except torch.OutOfMemoryError:
             setup.rows.append(f"| {name} | {label} | {len(batch.micro_batches)} | {int(tokens)} | OOM | | | |")
@@ -186,11 +184,13 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
         setup.log(row)
         setup.raw.append({"variant": name, "workload": label, "seconds": seconds, "tokens_all_gpus": total,
                           "mfu": mfu(setup, tokens, seconds), "peak_gib": peak})
-        if is_rl and total / seconds > best_rl.get("rate", 0.0):
-            best_rl = {"rate": total / seconds, "budget": budget}
+        if is_rl:
+            rl_rates[budget] = total / seconds
+    if args.profile:  # after every timed row: a profiler run can leave later steps slower (CUPTI stays attached)
+        profile(setup, lambda b=my_batch(setup, workloads[0][1], workloads[0][2]): worker.train_step(b))
     if name == args.memory_variant:
         memory_sweep(setup, worker, args)
-    return best_rl  # the worker is freed with this frame (free_memory)
+    return rl_rates  # the worker is freed with this frame (free_memory)
 
 
 def memory_sweep(setup: Setup, worker: PolicyWorker, args: argparse.Namespace) -> None:
@@ -322,14 +322,17 @@ def main() -> None:
     parser.add_argument("--rl-per-gpu", type=int, default=48, help="RL-like trajectories per GPU per step")
     parser.add_argument("--padded-rows", default="2,4", help="rows per padded micro-batch of the baseline")
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
-    parser.add_argument("--memory-variant", default="compiled_ac", help="variant whose worker runs the memory sweep")
+    parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a profiler table for each variant's first workload")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
+    parser.add_argument("--ours", default=None, help="VARIANT:BUDGET compared with the padded loop, named before "
+                        "measuring (default: the last variant at the largest budget)")
     args = parser.parse_args()
     tiny = args.tiny
-    args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled,compiled_ac")).split(",")
+    args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled,compiled_keep")).split(",")
     args.budgets = [int(b) for b in (args.budgets or ("256,512" if tiny else "4096,8192")).split(",")]
+    args.ours = args.ours or f"{args.variants[-1]}:{max(args.budgets)}"
     if tiny:
         args.chunk = min(args.chunk, 64)
         args.rl_per_gpu = min(args.rl_per_gpu, 12)
@@ -366,7 +369,7 @@ def main() -> None:
     table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "
                   "peak GiB |\n|---|---|---|---|---|---|---|---|")
     setup.log(table_head)
-    best: dict[str, float] = {}
+    rl_rates: dict[tuple[str, int], float] = {}
     for name in args.variants:
         try:
             result = bench_variant(setup, name, args)
@@ -377,28 +380,36 @@ def main() -> None:
             continue
         finally:
             free_memory(setup)
-        if result.get("rate", 0.0) > best.get("rate", 0.0):
-            best = result | {"variant": name}
+        rl_rates |= {(name, budget): rate for budget, rate in result.items()}
 
-    if setup.world == 1 and not args.no_baseline and best:
+    # "ours" is named before measuring (--ours), not the fastest row; eager packed at the same budget is the
+    # like-for-like comparison (no compiler on either side)
+    ours_variant, ours_budget = args.ours.split(":")
+    ours = rl_rates.get((ours_variant, int(ours_budget)))
+    eager = rl_rates.get(("eager", int(ours_budget)))
+    if setup.world == 1 and not args.no_baseline and ours:
         trajs = rl_set(setup, args.rl_per_gpu)
         for rows in [int(r) for r in args.padded_rows.split(",")]:
             try:
                 rate, waste, peak = padded_baseline(setup, trajs, rows, args.steps)
+                like = f"{eager / rate:.2f}x" if eager else "-"
                 setup.rl_rows.append(f"| transformers, padded, {rows} rows/micro-batch | {rate:,.0f} | {waste:.0%} | "
-                                     f"{peak:.1f} | {best['rate'] / rate:.2f}x |")
+                                     f"{peak:.1f} | {ours / rate:.2f}x | {like} |")
             except torch.OutOfMemoryError:
-                setup.rl_rows.append(f"| transformers, padded, {rows} rows/micro-batch | OOM | | | |")
+                setup.rl_rows.append(f"| transformers, padded, {rows} rows/micro-batch | OOM | | | | |")
             free_memory(setup)
             setup.log(setup.rl_rows[-1])
 
     report = header + ["", "## Training step", "", table_head, *setup.rows]
-    if best:
-        report += ["", f"## RL-like lengths, same trajectories: ours ({best['variant']}, packed "
-                   f"{int(best['budget'])}-token micro-batches) = {best['rate']:,.0f} useful tokens/s", ""]
+    if not ours:
+        report += ["", f"(--ours {args.ours} was not measured: no RL comparison)"]
+    else:
+        report += ["", f"## RL-like lengths, same trajectories: ours ({ours_variant}, packed {ours_budget}-token "
+                   f"micro-batches) = {ours:,.0f} useful tokens/s; eager packed: "
+                   + (f"{eager:,.0f}" if eager else "not measured"), ""]
         if setup.rl_rows:
-            report += ["| loop | useful tokens/s | padding | peak GiB | ours / it |", "|---|---|---|---|---|",
-                       *setup.rl_rows]
+            report += ["| loop | useful tokens/s | padding | peak GiB | ours / it | eager packed / it |",
+                       "|---|---|---|---|---|---|", *setup.rl_rows]
         else:
             report += ["(padded baseline: not run: " + ("--no-baseline)" if args.no_baseline else "measured on 1 GPU only)")]
     if setup.mem_rows:

@@ -227,6 +227,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         runs = [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (waves if m == "async" else [0.0])]
         for name, wave_ms in runs:
             engine.admission_interval_s = wave_ms / 1000
+            for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
+                loop.run_until_complete(e.engine.reset_prefix_cache())
             t0 = time.perf_counter()
             if name == "plain":
                 generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
