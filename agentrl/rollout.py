@@ -188,7 +188,11 @@ async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, tool
 
 async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
                   budgets: Budgets, tokenizer: Any, config: RolloutConfig) -> list[Group]:
-    """`config.n` trajectories for every prompt, grouped by prompt, in prompt order."""
+    """`config.n` trajectories for every prompt, grouped by prompt, in prompt order. The engine's context
+    window, where it declares one, caps `budgets.max_context_tokens`."""
+    window = getattr(engine, "max_context_tokens", None)
+    if window and (budgets.max_context_tokens is None or window < budgets.max_context_tokens):
+        budgets = budgets.model_copy(update={"max_context_tokens": window})
     base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
     if config.mode == "async":

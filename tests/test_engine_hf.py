@@ -121,3 +121,26 @@ def test_update_weights_changes_outputs_and_rejects_unknown_names(model_and_tok)
     assert asyncio.run(engine.generate(ids, greedy)).token_ids == reference.token_ids
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         asyncio.run(engine.update_weights([("nope", torch.zeros(1))]))
+
+
+def test_the_engine_window_caps_a_rollout(model_and_tok):
+    """With no max_context_tokens in the budgets, the engine's window (max_position_embeddings) bounds each
+    trajectory: it ends as context_limit at the window instead of asking the engine for more."""
+    from agentrl.rollout import RolloutConfig, rollout
+    from agentrl.task import Budgets
+    from agentrl.tools.formats import TorlFormat
+    from agentrl.types import Prompt, StopReason
+
+    model, tok = model_and_tok
+    engine = HFEngine(model, tok)
+    engine.eos_ids = set()  # a random model may say EOS anywhere: run to the limit
+    engine.max_context_tokens = 40  # as if the model held 40 positions
+    ids = encode(tok, "A conversation between User and Assistant. " * 2)
+    assert 10 < len(ids) < 40
+    budgets = Budgets(max_turns=1, max_response_tokens=200)
+    (group,) = asyncio.run(rollout([Prompt("p", "", tuple(ids), "", "")], engine=engine, fmt=TorlFormat(), tools={},
+                                   budgets=budgets, tokenizer=tok, config=RolloutConfig(n=1)))
+    (t,) = group.trajectories
+    assert t.stop_reason == StopReason.CONTEXT_LIMIT and len(ids) + len(t.response_ids) == 40
+    assert budgets.max_context_tokens is None  # the caller's budgets are left as they were
+    assert HFEngine(model, tok).max_context_tokens == 512  # what the model's config declares

@@ -44,6 +44,10 @@ class Completion:
 
 @runtime_checkable
 class Engine(Protocol):
+    # The most tokens (prompt and output) one sequence may hold, or None: the rollout never asks for more,
+    # so a trajectory that reaches it ends as context_limit instead of failing the request.
+    max_context_tokens: int | None
+
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         """Continue `prompt_ids`. `session` names the trajectory, so that an engine with several replicas
         sends all its turns to the same one (its prefix cache holds the earlier turns)."""

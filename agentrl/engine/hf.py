@@ -44,6 +44,7 @@ class HFEngine:
         self.max_batch = max_batch
         self.seed = seed
         self.device = next(model.parameters()).device
+        self.max_context_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids), 0)

@@ -80,6 +80,7 @@ class VLLMEngine:
         self.use_request_seeds = use_request_seeds
         self.admission_interval_s = admission_interval_ms / 1000
         self.engine = AsyncLLM.from_engine_args(args)
+        self.max_context_tokens: int | None = self.engine.model_config.max_model_len
         self._ids = itertools.count()
 
     def _rank(self, session: str | None) -> int | None:
