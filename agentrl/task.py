@@ -253,12 +253,11 @@ class Task:
         """A filter's field that no row has is a typo: say so instead of dropping every row. (`fields.id`
         and `fields.answer` have fallbacks by design: the row's position, the solution's \boxed{}.)"""
         ds = self.spec.dataset
-        named = [(f"dataset.filter[{i}].field", c.field) for i, c in enumerate(ds.filter)]
-        present = set().union(*(r.keys() for r in rows)) if rows else set()
-        for where, field in named:
-            if rows and field not in present:
-                raise ConfigError(f"{self.source}: {where}: no row of {ds.path} has a field {field!r}; "
-                                  f"they have: {', '.join(sorted(present))}")
+        present = set().union(*(r.keys() for r in rows))
+        for i, c in enumerate(ds.filter):
+            if rows and c.field not in present:
+                raise ConfigError(f"{self.source}: dataset.filter[{i}].field: no row of {ds.path} has a field "
+                                  f"{c.field!r}; they have: {', '.join(sorted(present))}")
 
     def _resolve(self, index: int, row: dict[str, Any]) -> Row:
         f, ds = self.spec.dataset.fields, self.spec.dataset

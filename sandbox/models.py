@@ -76,12 +76,14 @@ class RunCodeRequest(_Program):
         """bash gets its code and args as argv strings, which the kernel bounds and cuts at NUL."""
         if self.language != "bash":
             return self
+        total = 0
         for name, text in [("code", self.code)] + [(f"args[{i}]", a) for i, a in enumerate(self.args)]:
             if "\x00" in text:
                 raise ValueError(f"{name} contains a NUL byte, which a bash argument cannot hold")
-            if len(text.encode()) >= ARG_STRLEN:
-                raise ValueError(f"{name} is {len(text.encode())} bytes; bash takes at most {ARG_STRLEN - 1} in one argument")
-        total = sum(len(t.encode()) + 1 for t in [self.code, *self.args])
+            size = len(text.encode())
+            if size >= ARG_STRLEN:
+                raise ValueError(f"{name} is {size} bytes; bash takes at most {ARG_STRLEN - 1} in one argument")
+            total += size + 1
         if total > ARGV_BYTES:
             raise ValueError(f"bash code and args are {total} bytes together; at most {ARGV_BYTES}")
         return self

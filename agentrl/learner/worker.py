@@ -182,9 +182,9 @@ class Worker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         norm_value = float(norm)  # the one host sync of the step, after the step is queued
-        skipped = empty or not math.isfinite(norm_value)
-        if not math.isfinite(norm_value):
-            self.skipped_steps += 1
+        diverged = not math.isfinite(norm_value)
+        self.skipped_steps += diverged
+        skipped = empty or diverged
         if not skipped:
             self.scheduler.step()
             self.steps += 1

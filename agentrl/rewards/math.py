@@ -93,6 +93,7 @@ _REPLACEMENTS = [
 ]
 # Thin spaces; `(?<!\\)` spares a matrix row break `\\` followed by a space.
 _SPACING = re.compile(r"(?<!\\)\\[,;: ]")
+_WHITESPACE = re.compile(r"\s+")
 _COMMAND_SYNONYMS = {"leq": "le", "geq": "ge", "neq": "ne", "to": "rightarrow", "gets": "leftarrow"}
 _COMMAND_SYNONYM = re.compile(r"\\(" + "|".join(_COMMAND_SYNONYMS) + r")(?![a-zA-Z])")
 _SIZING = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])")
@@ -216,7 +217,6 @@ def normalize_answer(s: Any) -> str:
 
 # --- numbers ------------------------------------------------------------------------------------------
 
-_WHITESPACE = re.compile(r"\s+")
 _DECIMAL = re.compile(r"(\d+\.?\d*|\.\d+)(?:[eE]([+-]?\d+))?")
 _FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
 _SLASH = re.compile(r"([^/]+)/([^/]+)")
