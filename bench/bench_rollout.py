@@ -24,6 +24,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,7 +164,11 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
-    ap.add_argument("--admission-ms", default="0", help="comma list: the async loop once per VLLMEngine admission interval")
+    ap.add_argument("--admission-ms", default="50", help="comma list: the async loop once per VLLMEngine admission "
+                    "interval (50: the engine's default)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the modes this many times, interleaved (plain, async, turn_sync, plain, ...); the table "
+                         "gives the median rate and the median and range of the per-repeat ratios")
     ap.add_argument("--cudagraph-modes", default="default",
                     help="comma list: one engine per vLLM cudagraph_mode, each in its own process (default = vLLM's "
                          "FULL_AND_PIECEWISE: full graphs for pure-decode steps only; FULL = for mixed steps too)")
@@ -177,6 +182,8 @@ def main() -> None:
     unknown = set(args.modes.split(",")) - {"plain", "async", "turn_sync"}
     if unknown:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; expected some of plain, async, turn_sync")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
     modes = args.cudagraph_modes.split(",")
@@ -225,7 +232,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         waves = [float(x) for x in args.admission_ms.split(",")]
         modes = args.modes.split(",")
         runs = [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (waves if m == "async" else [0.0])]
-        for name, wave_ms in runs:
+        for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in runs):
             engine.admission_interval_s = wave_ms / 1000
             for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
                 loop.run_until_complete(e.engine.reset_prefix_cache())
@@ -236,11 +243,19 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
                 generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
             seconds = time.perf_counter() - t0
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
-            rows.append({"graphs": graphs, "dist": dist, "mode": label, "generated_tokens": generated,
+            rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
             print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
     loop.run_until_complete(engine.aclose())
     return rows, start_s
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """Rows by (cudagraph mode, turn lengths, mode), repeats in run order."""
+    out: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["graphs"], r["dist"], r["mode"]), []).append(r)
+    return out
 
 
 def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]) -> None:
@@ -248,13 +263,20 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
           f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start (s) {start_s}")
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
-    print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds | tokens/s | vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        base = {x["mode"]: x["tokens_per_s"] for x in rows if x["dist"] == r["dist"] and x["graphs"] == r["graphs"]}
-        ratio = {k: f"{r['tokens_per_s'] / base[k]:.2f}" if k in base else "-" for k in ("plain", "turn_sync")}
-        print(f"| {r['graphs']} | {r['dist']} | {r['mode']} | {r['generated_tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
-              f"{ratio['plain']} | {ratio['turn_sync']} |")
+    print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
+          "(tokens/s) | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, runs in groups(rows).items():
+        graphs, dist, mode = key
+        rates = [r["tokens_per_s"] for r in runs]
+        cells = []
+        for base in ("plain", "turn_sync"):
+            by_repeat = {r["repeat"]: r["tokens_per_s"] for r in groups(rows).get((graphs, dist, base), [])}
+            ratios = sorted(r["tokens_per_s"] / by_repeat[r["repeat"]] for r in runs if r["repeat"] in by_repeat)
+            cells.append("-" if not ratios else f"{statistics.median(ratios):.2f}" if len(ratios) == 1 else
+                         f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(f"| {graphs} | {dist} | {mode} | {runs[0]['generated_tokens']} | {statistics.median(r['seconds'] for r in runs)} | "
+              f"{statistics.median(rates):,.0f} | {', '.join(f'{x:,}' for x in rates)} | {cells[0]} | {cells[1]} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)

@@ -41,17 +41,17 @@ def test_padding_masks_are_refused() -> None:
 
 
 @pytest.mark.skipif(attention._resolve_varlen() is None, reason="this torch has no torch.nn.attention.varlen")
-@pytest.mark.parametrize("scope", ["block", "stack"])
-def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch, scope: str) -> None:
-    """On the GPU path (varlen op, dynamic shapes) a decoder block, and the whole decoder stack as
-    fsdp_unit="model" compiles it, are each captured as one graph. Traced on CPU: dynamo only needs the
-    op's fake implementation, so the capture is checked without a GPU."""
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> None:
+    """On the GPU path (varlen op) a decoder block is captured as one graph, with dynamic shapes and with
+    the static ones CUDA graphs use (LearnerConfig.cuda_graphs). Traced on CPU: dynamo only needs the op's
+    fake implementation, so the capture is checked without a GPU."""
     lm = tiny_lm().to(torch.bfloat16)
     enable_packed_attention(lm)
     assert attention._VARLEN is not None
     monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)  # the CUDA branch
     pos = torch.tensor([list(range(12)) + list(range(8))])
-    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    cu = torch.tensor([0, 12, 20, 20], dtype=torch.int32)  # an empty sequence, as static_shape pads
     captured = []
 
     class Captured(Exception):
@@ -61,24 +61,16 @@ def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPat
         captured.append([str(n.target) for n in gm.graph.nodes])
         raise Captured
 
-    if scope == "block":
-        h = torch.randn(1, 20, 64, dtype=torch.bfloat16)
-        cos, sin = lm.model.rotary_emb(h, pos)
+    h = torch.randn(1, 20, 64, dtype=torch.bfloat16)
+    cos, sin = lm.model.rotary_emb(h, pos)
 
-        def run(x, cu, m):
-            return lm.model.layers[0](x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos,
-                                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+    def run(x, cu, m):
+        return lm.model.layers[0](x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos,
+                                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
 
-        x = h
-    else:
-        def run(x, cu, m):
-            return lm.model(input_ids=x, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                            max_length_q=m, max_length_k=m).last_hidden_state
-
-        x = torch.randint(0, 100, (1, 20))
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Captured"):
-        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(x, cu, 12)
+        torch.compile(run, fullgraph=True, dynamic=dynamic, backend=backend)(h, cu, 20)
     torch._dynamo.reset()
     calls = sum("varlen" in t for t in captured[0]) if captured else 0
-    assert len(captured) == 1 and calls == (1 if scope == "block" else lm.config.num_hidden_layers)
+    assert len(captured) == 1 and calls == 1

@@ -4,11 +4,12 @@
 plain CPU run goes through the same code as a multi-GPU one. `shard` applies, per decoder block
 (found through the HF model's `_no_split_modules`): activation checkpointing, then torch.compile, then
 `fully_shard`; and `fully_shard` once more on the root, which holds the embeddings, the final norm and
-the output head. With `unit="model"` the root is the only FSDP unit (all weights gathered at once) and
-torch.compile takes the whole decoder stack as one graph: one host-side call per pass instead of one per
-block, for one GPU or models whose 16-bit weights fit on each GPU. Gradients are summed across ranks, not
-averaged: the losses are already normalised by whole-batch counts (agentrl/algo/loss.py). worker.py is
-the only caller.
+the output head. With `unit="model"` the root is the only FSDP unit: all weights are gathered at once, and
+the blocks (still compiled one by one) run without FSDP's per-block hooks, for one GPU or models whose
+16-bit weights fit on each GPU. `graphs` compiles the blocks with CUDA graphs (torch.compile's
+"reduce-overhead" mode, static shapes): each block's kernels replay as one launch, for micro-batches
+padded to one shape (packing.static_shape). Gradients are summed across ranks, not averaged: the losses
+are already normalised by whole-batch counts (agentrl/algo/loss.py). worker.py is the only caller.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ def decoder_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def shard(
     root: nn.Module,
-    stack: nn.Module,
     blocks: list[tuple[nn.Module, str]],
     ctx: DistContext,
     param_dtype: torch.dtype | None,
@@ -89,22 +89,22 @@ def shard(
     activation_checkpointing: bool,
     compiled: bool,
     unit: Literal["block", "model"] = "block",
+    graphs: bool = False,
 ) -> nn.Module:
-    """Wrap each block (checkpoint -> compile -> fully_shard), then the root; with `unit="model"` only
-    checkpoint the blocks, compile `stack` (the HF base model, inside `root`) whole and shard the root
-    alone. Returns the sharded root."""
+    """Wrap each block (checkpoint -> compile -> fully_shard unless `unit="model"`), then the root.
+    Returns the sharded root."""
+    if graphs and not compiled:
+        raise ValueError("CUDA graphs come from torch.compile: graphs=True needs compiled=True")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for parent, attr in blocks:
         block = getattr(parent, attr)
         if activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if compiled:
+            block = torch.compile(block, dynamic=not graphs, mode="reduce-overhead" if graphs else None)
         if unit == "block":
-            if compiled:
-                block = torch.compile(block, dynamic=True)
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         parent.register_module(attr, block)
-    if unit == "model" and compiled:
-        stack.compile(dynamic=True)  # in place: parameter names do not change
     fully_shard(root, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for module in root.modules():
         if isinstance(module, FSDPModule):
