@@ -164,8 +164,8 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
-    ap.add_argument("--admission-ms", default="50", help="comma list: the async loop once per VLLMEngine admission "
-                    "interval (50: the engine's default)")
+    ap.add_argument("--admission-ms", default="200", help="comma list: the async loop once per VLLMEngine admission "
+                    "interval (200: the engine's default)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the modes this many times, interleaved (plain, async, turn_sync, plain, ...); the table "
                          "gives the median rate and the median and range of the per-repeat ratios")

@@ -135,7 +135,7 @@ def _to_first_gpu(index: faiss.Index) -> faiss.Index:
     options.useFloat16 = True
     resources = faiss.StandardGpuResources()
     gpu = faiss.index_cpu_to_gpu(resources, 0, index, options)
-    gpu.agentrl_resources = resources  # the GPU index must not outlive its resources
+    gpu.referenced_objects = [resources]  # faiss's own keep-alive field: the index must not outlive them
     return gpu
 
 

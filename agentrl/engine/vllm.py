@@ -14,11 +14,14 @@ Weights are updated in place through a worker extension (vllm_worker.py) called 
 in buckets serialised as safetensors bytes (the RPC's msgpack carries bytes, not tensors, in plain
 arguments), then the prefix cache is reset.
 
-`admission_interval_ms` (50 by default; 0 turns it off) holds each new request until the next multiple of
+`admission_interval_ms` (200 by default; 0 turns it off) holds each new request until the next multiple of
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
-graphs). Measured on an H200 (BENCHMARKS.md, rollout run 3): the async loop's throughput +8% at 20 ms,
-+11% at 50 ms, for at most 50 ms more per turn.
+graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop's throughput +8% at
+20 ms and +11% at 50 ms against none; 200 ms a further +8-9% over 50 ms (two paired repeats, heavy-tailed
+turns), for at most 200 ms more per turn. While new turns wait, the other trajectories' steps run with
+fewer sequences, which costs little where steps are bound by per-sequence host work, as they are for
+small models.
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
@@ -48,7 +51,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
                  max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
-                 admission_interval_ms: float = 50.0, **engine_kwargs: Any):
+                 admission_interval_ms: float = 200.0, **engine_kwargs: Any):
         # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
         # cannot use CUDA then.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -52,22 +52,13 @@ class LearnerConfig(StrictModel):
     temperature: float = Field(1.0, gt=0.0, description="logits are divided by it: the sampling temperature")
     activation_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile each decoder block (each FSDP unit) and the logprob math")
-    fsdp_unit: Literal["block", "model"] = Field(
-        "block", description="FSDP unit: each decoder block (weights gathered block by block), or the whole "
-        "model (gathered at once, no per-block FSDP hooks: one GPU, or 16-bit weights that fit on each GPU)"
-    )
-    cuda_graphs: bool = Field(
-        False, description="replay each compiled block as a CUDA graph (torch.compile mode reduce-overhead); "
-        "micro-batches are padded to a multiple of token_budget so their shapes repeat; needs compile"
+    fsdp_unit: Literal["auto", "block", "model"] = Field(
+        "auto", description="FSDP unit: each decoder block (weights gathered block by block), or the whole "
+        "model (gathered at once, no per-block FSDP hooks: one GPU, or 16-bit weights that fit on each GPU); "
+        "auto: model on one rank, block on several"
     )
     reshard_after_forward: bool = Field(
         True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
     )
     seed: int = 0
     optim: OptimConfig = Field(default_factory=OptimConfig)
-
-    @model_validator(mode="after")
-    def _graphs_need_compile(self) -> LearnerConfig:
-        if self.cuda_graphs and not self.compile:
-            raise ValueError("learner.cuda_graphs needs learner.compile=true (the graphs are torch.compile's)")
-        return self

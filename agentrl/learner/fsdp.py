@@ -6,9 +6,7 @@ plain CPU run goes through the same code as a multi-GPU one. `shard` applies, pe
 `fully_shard`; and `fully_shard` once more on the root, which holds the embeddings, the final norm and
 the output head. With `unit="model"` the root is the only FSDP unit: all weights are gathered at once, and
 the blocks (still compiled one by one) run without FSDP's per-block hooks, for one GPU or models whose
-16-bit weights fit on each GPU. `graphs` compiles the blocks with CUDA graphs (torch.compile's
-"reduce-overhead" mode, static shapes): each block's kernels replay as one launch, for micro-batches
-padded to one shape (packing.static_shape). Gradients are summed across ranks, not averaged: the losses
+16-bit weights fit on each GPU. Gradients are summed across ranks, not averaged: the losses
 are already normalised by whole-batch counts (agentrl/algo/loss.py). worker.py is the only caller.
 """
 
@@ -89,19 +87,16 @@ def shard(
     activation_checkpointing: bool,
     compiled: bool,
     unit: Literal["block", "model"] = "block",
-    graphs: bool = False,
 ) -> nn.Module:
     """Wrap each block (checkpoint -> compile -> fully_shard unless `unit="model"`), then the root.
     Returns the sharded root."""
-    if graphs and not compiled:
-        raise ValueError("CUDA graphs come from torch.compile: graphs=True needs compiled=True")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for parent, attr in blocks:
         block = getattr(parent, attr)
         if activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if compiled:
-            block = torch.compile(block, dynamic=not graphs, mode="reduce-overhead" if graphs else None)
+            block = torch.compile(block, dynamic=True)
         if unit == "block":
             fully_shard(block, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         parent.register_module(attr, block)
