@@ -16,13 +16,14 @@ Rewards, advantages and packing come after this stage (rewards/, algo/, learner/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -32,6 +33,8 @@ from agentrl.task import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
 from agentrl.types import Group, Prompt, Segment, StopReason, ToolCall, ToolRecord, ToolResult, Trajectory
+
+T = TypeVar("T")
 
 
 class RolloutConfig(StrictModel):
@@ -117,13 +120,12 @@ class TrajectoryBuilder:
         if isinstance(action, Calls):
             self.tool_calls += len(action.calls)
             self.records += [ToolRecord(self.turn, c, r) for c, r in zip(action.calls, results, strict=True)]
-            text = self.fmt.render(action.calls, list(results), self._turn_text)
+            obs_ids = self._fitted(action.calls, list(results))
         else:
             self.invalid_turns += 1
-            text = self.fmt.render_invalid(action, self._turn_text)
-        obs_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if self.budgets.observation_max_tokens:
-            obs_ids = obs_ids[: self.budgets.observation_max_tokens]
+            if action.reason == "malformed":  # a call the model wrote but we could not parse (invariant 4)
+                self.records.append(ToolRecord(self.turn, None, ToolResult(action.message, error="malformed")))
+            obs_ids = self._encode(self.fmt.render_invalid(action, self._turn_text))
         response, context = self._room()
         # An observation that leaves the model no room to answer ends the trajectory unappended.
         if context - len(obs_ids) < 1:
@@ -133,6 +135,23 @@ class TrajectoryBuilder:
         else:
             self.segments.append(Segment("tool", obs_ids))
             self.ids.extend(obs_ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _fitted(self, calls: list[ToolCall], results: list[ToolResult]) -> list[int]:
+        """The rendered observation's ids within `observation_max_tokens`: the tools' outputs are cut (each
+        to an equal share of what the format's own text leaves), never the format's text, which for Hermes
+        ends with the template's assistant header. Cut text is re-tokenized, so a merge at the cut can leave
+        it a token over; the format's text alone may exceed a tiny budget."""
+        obs_ids = self._encode(self.fmt.render(calls, results, self._turn_text))
+        limit = self.budgets.observation_max_tokens
+        if not limit or len(obs_ids) <= limit:
+            return obs_ids
+        bare = [dataclasses.replace(r, text="") for r in results]
+        share = max(0, limit - len(self._encode(self.fmt.render(calls, bare, self._turn_text)))) // len(results)
+        cut = [dataclasses.replace(r, text=self.tokenizer.decode(self._encode(r.text)[:share])) for r in results]
+        return self._encode(self.fmt.render(calls, cut, self._turn_text))
 
     def finish(self) -> Trajectory:
         assert self.stop is not None, "finish() before the trajectory stopped"
@@ -182,8 +201,22 @@ async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, tool
         turn = [(b, s) for b in builders if (s := b.next_sampling(base)) is not None]
         if not turn:
             return
-        actions = await asyncio.gather(*(_generate(b, engine, s) for b, s in turn))
-        await asyncio.gather(*(_run_tools(b, a, tools, timeout_s) for (b, _), a in zip(turn, actions, strict=True) if a))
+        actions = await _all(_generate(b, engine, s) for b, s in turn)
+        await _all(_run_tools(b, a, tools, timeout_s) for (b, _), a in zip(turn, actions, strict=True) if a)
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run `coros` together; the first failure cancels the others before it reaches the caller (raised as
+    itself), so no trajectory keeps generating or calling tools after a rollout has failed, e.g. into
+    weights the trainer is about to change. (asyncio.gather would leave them running.)"""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # until every one has stopped
+        raise
 
 
 async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
@@ -196,7 +229,7 @@ async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat,
     base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
     if config.mode == "async":
-        await asyncio.gather(*(_run_async(b, engine, tools, base, config.tool_timeout_s) for b in builders))
+        await _all(_run_async(b, engine, tools, base, config.tool_timeout_s) for b in builders)
     else:
         await _run_turn_sync(builders, engine, tools, base, config.tool_timeout_s)
     trajectories = [b.finish() for b in builders]
@@ -207,10 +240,14 @@ async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat,
 
 
 def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -166,7 +166,7 @@ class Budgets(StrictModel):
     max_prompt_tokens: int | None = Field(default=None, ge=1)  # longer prompts are dropped at load
     max_context_tokens: int | None = Field(default=None, ge=1)  # prompt + response
     observation_max_chars: int | None = Field(default=None, ge=2)  # ToRL: keep head and tail halves
-    observation_max_tokens: int | None = Field(default=None, ge=1)  # Search-R1: keep the first N tokens
+    observation_max_tokens: int | None = Field(default=None, ge=1)  # tool output cut to fit (rollout._fitted)
 
 
 class TaskSpec(StrictModel):
@@ -188,6 +188,9 @@ class TaskSpec(StrictModel):
                 f"budgets.max_turns ({b.max_turns}) must exceed max_tool_calls ({b.max_tool_calls}): "
                 "the model needs a turn after its last tool call to answer"
             )
+        if b.observation_max_chars is not None and self.tools.format != "torl":
+            raise ValueError(f"budgets.observation_max_chars is ToRL's head-and-tail cut; the {self.tools.format} "
+                             "format does not apply it: use budgets.observation_max_tokens")
         if b.max_context_tokens and b.max_prompt_tokens and b.max_prompt_tokens >= b.max_context_tokens:
             raise ValueError("budgets.max_prompt_tokens must be below max_context_tokens")
         return self

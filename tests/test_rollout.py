@@ -218,6 +218,8 @@ def test_stop_string_ending_inside_a_token_keeps_the_whole_token(qwen_tokenizer)
     assert t.segments[0].token_ids == ids  # the whole last token, nothing after it
     assert tool.calls[0].arguments == {"query": "capital of France"}
     assert t.stop_reason == StopReason.ANSWERED
+    # the newlines that token carried count toward Search-R1's "</search>\n\n<information>": none doubled
+    assert "</search>\n\n<information>" in tok.decode(t.response_ids)
 
 
 # --- Hermes ---------------------------------------------------------------------------------------------
@@ -261,7 +263,36 @@ def test_hermes_malformed_and_unknown_tool_are_observations(qwen_tokenizer):
     _, (t,) = do_rollout(tok, fmt, scripts, Budgets(max_turns=3, max_tool_calls=2), {"python": FunctionTool("python", run_python)})
     assert "not valid JSON" in tok.decode(t.segments[1].token_ids)
     assert "there is no tool 'calculator'" in tok.decode(t.segments[3].token_ids)
-    assert t.tool_records[0].result.error == "unknown_tool" and t.stop_reason == StopReason.EOS
+    malformed, unknown = t.tool_records  # the unparsable call is a record too (invariant 4), with no call
+    assert malformed.call is None and malformed.result.error == "malformed"
+    assert unknown.call.name == "calculator" and unknown.result.error == "unknown_tool"
+    assert t.stop_reason == StopReason.EOS
+    m = rollout_metrics([t])
+    assert m["tool/calls_per_trajectory"] == 2.0 and m["tool/error_rate"] == 1.0
+
+
+def test_hermes_deeply_nested_call_is_malformed_not_fatal(qwen_tokenizer):
+    """json.loads raises RecursionError (not ValueError) on deep nesting, which a degenerate policy writes."""
+    tok = qwen_tokenizer
+    scripts = {"p0": ['<tool_call>{"name": "python", "arguments": ' + "[" * 3000 + "</tool_call>" + EOS, "done" + EOS]}
+    _, (t,) = do_rollout(tok, HermesFormat(tok), scripts, Budgets(max_turns=3, max_tool_calls=2, max_response_tokens=4096),
+                         {"python": FunctionTool("python", run_python)})
+    assert "not valid JSON" in tok.decode(t.segments[1].token_ids) and t.stop_reason == StopReason.EOS
+
+
+def test_hermes_long_tool_output_is_cut_inside_the_template(qwen_tokenizer):
+    """observation_max_tokens cuts the tool's output, never the chat template's tail: the next turn is
+    still prompted as the assistant."""
+    tok = qwen_tokenizer
+    scripts = {"p0": ['<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>' + EOS, "done" + EOS]}
+    long = FunctionTool("python", lambda a: ToolResult("word " * 300))
+    _, (t,) = do_rollout(tok, HermesFormat(tok), scripts, Budgets(max_turns=3, max_tool_calls=2, observation_max_tokens=40),
+                         {"python": long})
+    obs = tok.decode(t.segments[1].token_ids)
+    assert obs.startswith("\n<|im_start|>user\n<tool_response>\nword word")
+    assert obs.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert 30 < len(t.segments[1].token_ids) <= 41  # a merge at the cut may add one
+    assert t.tool_records[0].result.text == "word " * 300  # the record keeps the whole output
 
 
 def test_hermes_names_an_eos_token_that_does_not_end_messages(qwen_tokenizer):
@@ -326,11 +357,27 @@ def test_observation_that_would_overflow_the_context_is_not_appended(tok):
     assert [s.source for s in t.segments] == ["model"] and len(t.tool_records) == 1
 
 
-def test_observation_max_tokens_truncates(tok):
-    budgets = Budgets(max_turns=3, max_tool_calls=2, observation_max_tokens=5)
+def test_observation_max_tokens_cuts_the_tool_output_not_the_format(tok):
+    wrapper = len(tok.encode("\n\n<information></information>\n\n", add_special_tokens=False))
+    budgets = Budgets(max_turns=3, max_tool_calls=2, observation_max_tokens=wrapper + 6)
     long = FunctionTool("search", lambda a: ToolResult("many words " * 50))
     _, (t,) = do_rollout(tok, SearchR1Format(), {"p0": ["<search>q</search>", "<answer>a</answer>"]}, budgets, {"search": long})
-    assert len(t.segments[1].token_ids) == 5
+    obs = tok.decode(t.segments[1].token_ids)
+    assert obs.startswith("\n\n<information>many") and obs.endswith("</information>\n\n")
+    assert wrapper < len(t.segments[1].token_ids) <= wrapper + 7
+
+
+def test_observation_budget_is_shared_between_calls(qwen_tokenizer):
+    tok = qwen_tokenizer
+    call = '<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>'
+    scripts = {"p0": [call + "\n" + call + EOS, "done" + EOS]}
+    outputs = iter(["alpha " * 200, "beta " * 200])
+    tool = FunctionTool("python", lambda a: ToolResult(next(outputs)))
+    _, (t,) = do_rollout(tok, HermesFormat(tok), scripts, Budgets(max_turns=3, max_tool_calls=2, observation_max_tokens=60),
+                         {"python": tool})
+    obs = tok.decode(t.segments[1].token_ids)
+    assert obs.count("<tool_response>") == 2 and obs.count("alpha") >= 10 and obs.count("beta") >= 10
+    assert len(t.segments[1].token_ids) <= 62
 
 
 # --- failing tools ------------------------------------------------------------------------------------------
@@ -382,6 +429,38 @@ def test_metrics_and_dump(tok, tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["segments"][1]["source"] == "tool" and rows[0]["tool_calls"][0]["name"] == "python"
     assert "".join(s["text"] for s in rows[0]["segments"]) == tok.decode(ts[0].response_ids)
+
+
+@pytest.mark.parametrize("mode", ["async", "turn_sync"])
+def test_a_failing_trajectory_stops_the_others(tok, mode):
+    """An engine error ends the rollout with that error, and no other trajectory is left running: none may
+    keep generating after the caller saw the failure (e.g. into weights it then updates)."""
+
+    class Failing(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling, *, session=None):
+            if session.startswith("bad"):
+                raise RuntimeError("engine died for one request")
+            return await super().generate(prompt_ids, sampling, session=session)
+
+    slow = FunctionTool("python", run_python, delay_s=30)
+    engine = Failing(tok, {"good": [CALL, "\\boxed{1}" + EOS]})
+    prompts = [prompt_of(tok, pid="good"), prompt_of(tok, pid="bad")]
+
+    async def main():
+        with pytest.raises(RuntimeError, match="engine died"):
+            await rollout(prompts, engine=engine, fmt=TorlFormat(), tools={"python": slow}, budgets=TORL_BUDGETS,
+                          tokenizer=tok, config=RolloutConfig(n=1, mode=mode))
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert run(main()) == []
+
+
+def test_tool_latency_percentiles_interpolate():
+    from agentrl.rollout import _percentile
+
+    assert _percentile([10.0, 20.0], 0.5) == 15.0
+    assert _percentile([float(i) for i in range(1, 101)], 0.99) == pytest.approx(99.01)
+    assert _percentile([7.0], 0.99) == 7.0 and _percentile([], 0.5) == 0.0
 
 
 def test_builder_refuses_to_finish_early(tok):

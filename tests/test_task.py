@@ -158,6 +158,7 @@ def test_hermes_renders_tool_schemas_with_the_chat_template(tmp_path, qwen_token
         ("budgets.max_turns=1", "must exceed max_tool_calls"),
         ("tools.format=search_r1", "drives exactly the tool [search]"),
         ("tools.format=smoke", "tools.format: got 'smoke'"),
+        ("tools.format=hermes", "the hermes format does not apply it"),  # observation_max_chars is ToRL's
         ("reward.name=nope", "unknown reward 'nope'"),
         ("reward.params.corect=1", "corect"),
         ("prompt.template=no placeholder", "{question}"),

@@ -135,7 +135,11 @@ class VLLMEngine:
             payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})
             await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
             count += len(bucket)
-        await self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+        # Cached KV was computed with the old weights. vLLM refuses (returns False) while requests run: their
+        # KV would then outlive the update, so that is an error, not something to go on from.
+        if await self.engine.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM kept its prefix cache because requests are still running: update weights "
+                               "between rollouts, after every request has finished")
         return count
 
     async def sleep(self, level: int = 1) -> None:

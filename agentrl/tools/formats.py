@@ -155,7 +155,11 @@ class SearchR1Format(ToolFormat):
         return Calls([ToolCall("search", {"query": m.group(2).strip()}, raw=m.group(0))])
 
     def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
-        return f"\n\n<information>{results[0].text.strip()}</information>\n\n"
+        # Search-R1 writes "</search>\n\n<information>". When the token that completed "</search>" also
+        # carried newlines (Qwen's ">\n\n"), they are already in the context: add only the missing ones.
+        after = turn_text[turn_text.rfind("</search>") + len("</search>"):] if "</search>" in turn_text else ""
+        have = len(after) - len(after.lstrip("\n"))
+        return f"{chr(10) * max(0, 2 - have)}<information>{results[0].text.strip()}</information>\n\n"
 
 
 # --- Hermes / Qwen JSON tool calls --------------------------------------------------------------------
@@ -201,7 +205,7 @@ class HermesFormat(ToolFormat):
                     arguments = json.loads(arguments)
                 if not isinstance(name, str) or not isinstance(arguments, dict):
                     raise TypeError("name must be a string and arguments an object")
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
                 message = f'Error: the tool call is not valid JSON of the form {{"name": ..., "arguments": {{...}}}}: {e}'
                 return Invalid("malformed", message)
             calls.append(ToolCall(name, arguments, raw=block))
