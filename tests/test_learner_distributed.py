@@ -64,7 +64,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool, unit: 
                          ids=["reshard", "keep-gathered", "model-unit"])
 def test_two_ranks_equal_one_process_and_resume(tmp_path: Path, reshard: bool, unit: str) -> None:
     """Also with weights kept gathered across a step's micro-batches (reshard_after_forward=False), and with
-    the whole model as the one FSDP unit; the one-process reference shards block by block."""
+    the whole model as the one FSDP unit; the one-process reference takes fsdp_unit="auto" (one unit for
+    a tiny model on one rank)."""
     mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), reshard, unit), nprocs=2, join=True)
     two = torch.load(tmp_path / "rank0.pt", weights_only=False)
 

@@ -157,6 +157,10 @@ def test_state_for_sync_and_hf_export(tmp_path: Path) -> None:
     assert torch.allclose(loaded(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
     worker.export_hf(str(tmp_path / "hf16"))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
+    worker.export_hf(str(tmp_path / "hf"), dtype=torch.bfloat16)  # over an earlier export: replaced whole
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf16"]  # nothing half-written beside them
+    assert str(worker.lm.config.dtype).removeprefix("torch.") == "float32"  # the live config is left as it was
 
 
 def test_checkpoint_resume_in_one_process(tmp_path: Path) -> None:
@@ -213,10 +217,37 @@ def test_a_save_killed_while_swapping_directories_loses_nothing(tmp_path: Path, 
     assert resumed.load(str(path)) == {"data_position": 3}
 
 
-def test_reference_and_critic_workers() -> None:
+def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
+    """Reading a fresh optimizer's state would step it with zero gradients (Adam's count one ahead)."""
+    algo = AlgoConfig()
+    trajs = trajectories(6, seed=9)
+    [batch] = pack(trajs, 40)
+    batch.set("advantages", _advantages(trajs, algo))
+    saved, unsaved = (PolicyWorker(_config(optim=OptimConfig(lr=1e-2)), algo, model=tiny_lm(seed=5)) for _ in range(2))
+    saved.save(str(tmp_path / "step0"), extra={})
+    saved.train_step(batch)
+    unsaved.train_step(batch)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(saved.state_for_sync(), unsaved.state_for_sync(), strict=True))
+    resumed = PolicyWorker(_config(optim=OptimConfig(lr=1e-2)), algo, model=tiny_lm(seed=6))
+    resumed.load(str(tmp_path / "step0"))  # a checkpoint without optimizer state leaves the optimizer fresh
+    assert not resumed.optimizer.state
+    resumed.train_step(batch)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed.state_for_sync(), unsaved.state_for_sync(), strict=True))
+
+
+def test_auto_fsdp_unit(monkeypatch) -> None:
+    from agentrl.learner import worker as worker_module
+
+    assert PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1)).fsdp_unit == "model"  # tiny, one rank
+    monkeypatch.setattr(worker_module, "AUTO_MODEL_UNIT_SHARE", 0.0)  # as if all weights at once did not fit
+    assert PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1)).fsdp_unit == "block"
+
+
+@pytest.mark.parametrize("unit", ["block", "model"])
+def test_reference_and_critic_workers(unit: str) -> None:
     lm = tiny_lm(seed=8)
     trajs = trajectories(6, seed=3)
-    cfg = _config(optim=OptimConfig(lr=1e-2))
+    cfg = _config(optim=OptimConfig(lr=1e-2), fsdp_unit=unit)
     algo = AlgoConfig(advantage="gae", gamma=1.0, lam=0.95)
     policy = PolicyWorker(cfg, algo, model=copy.deepcopy(lm))
     reference = ReferenceWorker(cfg, model=copy.deepcopy(lm))

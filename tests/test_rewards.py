@@ -84,6 +84,9 @@ EQUAL = [
     ("x=5", "5"), ("y = 2x + 3", "2x+3"), (r"\cot x", r"\cot x"), (r"\infty", r"\infty"),
     # a base-8 numeral's subscript is notation (math-verify drops it, as graders of MATH do)
     ("52_8", "52"),
+    # rounded decimals of golds no finite decimal writes; words in any case; equal left sides; clock times
+    (r"\frac{1}{7}", "0.142857"), (r"\text{east}", r"\text{East}"), ("k=6", "k = 6"), ("k=6", "6"),
+    (r"\text{4:30 p.m.}", "4:30 p.m."),
 ]
 
 NOT_EQUAL = [
@@ -97,6 +100,12 @@ NOT_EQUAL = [
     ("5", ""), ("", "5"), (r"\frac{1}{2}", r"\frac{1}{2"),
     # a percent sign reads both ways on its own side only; an integer gold takes float noise, not near misses
     (r"50\%", "5000"), ("800", r"8\%"), ("70000", "70006.5"), ("204", "204.01"), ("3159.0", "3159.3"),
+    # a gold that a finite decimal or a fraction writes exactly takes no tolerance (review, session 5)
+    (r"\$306,\!956.63", r"\$306,987.00"), (r"\frac{10201}{200}", r"\frac{10202}{200}"),
+    (r"\frac{116050}{59049}", r"\frac{116051}{59049}"),
+    # equations: the left sides must agree too
+    (r"y = \frac{3}{2}", r"x = \frac{3}{2}"), ("k=6", "y = 6"), ("k=6", "-k=6"),
+    (r"\text{4:30 p.m.}", r"\text{4:30 a.m.}"),
 ]
 
 

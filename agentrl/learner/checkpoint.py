@@ -17,6 +17,7 @@ gathered at once.
 
 from __future__ import annotations
 
+import copy
 import random
 import shutil
 from collections.abc import Iterator
@@ -64,7 +65,9 @@ def save(
             shutil.rmtree(tmp)
     dist.barrier()
     payload: dict[str, Any] = {"model": get_model_state_dict(module)}
-    if optimizer is not None:
+    # Before its first step an optimizer has no state, and reading it (get_optimizer_state_dict) would
+    # create some by stepping with zero gradients: Adam's step count would then be one ahead.
+    if optimizer is not None and optimizer.state:
         payload["optim"] = get_optimizer_state_dict(module, optimizer)
     dcp.save(payload, checkpoint_id=str(tmp / "model_optim"))
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
@@ -109,11 +112,13 @@ def load(
     if not (root / "learner.pt").exists():
         raise FileNotFoundError(f"{root}: not a learner checkpoint (no learner.pt)")
     payload: dict[str, Any] = {"model": get_model_state_dict(module)}
-    if optimizer is not None:
+    saved = dcp.FileSystemReader(str(root / "model_optim")).read_metadata().state_dict_metadata
+    with_optim = optimizer is not None and any(key.startswith("optim.") for key in saved)  # saved after a step
+    if with_optim:
         payload["optim"] = get_optimizer_state_dict(module, optimizer)
     dcp.load(payload, checkpoint_id=str(root / "model_optim"))
     set_model_state_dict(module, payload["model"])
-    if optimizer is not None:
+    if with_optim:
         set_optimizer_state_dict(module, optimizer, payload["optim"])
     state = torch.load(root / "learner.pt", weights_only=True)
     if scheduler is not None and state["scheduler"] is not None:
@@ -137,9 +142,21 @@ def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: 
             name = clean_name(name)
             if name.startswith(prefix) and name[len(prefix):] not in tied:
                 state[name[len(prefix):]] = tensor.to(dtype)
-        hf_model.save_pretrained(str(path), state_dict=state)
-        hf_model.config.dtype = dtype  # save_pretrained records the float32 master weights' dtype
-        hf_model.config.save_pretrained(str(path))
+        # written aside, then renamed into place: a killed export leaves no half-written model at `path`
+        final = Path(path)
+        tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        hf_model.save_pretrained(str(tmp), state_dict=state)
+        config = copy.deepcopy(hf_model.config)
+        config.dtype = dtype  # save_pretrained recorded the float32 master weights' dtype
+        config.save_pretrained(str(tmp))
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
     dist.barrier()
 
 

@@ -55,7 +55,7 @@ class LearnerConfig(StrictModel):
     fsdp_unit: Literal["auto", "block", "model"] = Field(
         "auto", description="FSDP unit: each decoder block (weights gathered block by block), or the whole "
         "model (gathered at once, no per-block FSDP hooks: one GPU, or 16-bit weights that fit on each GPU); "
-        "auto: model on one rank, block on several"
+        "auto: model on one rank when that costs at most 15% of the device's memory (worker.auto_unit), else block"
     )
     reshard_after_forward: bool = Field(
         True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"

@@ -11,6 +11,7 @@ with their own `Batch` of the same packing.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -66,6 +67,29 @@ def loss_weights(mb: MicroBatch, batch: Batch, algo: AlgoConfig) -> tuple[Tensor
     return weights_T, mb.loss_mask_T / max(batch.num_loss_tokens, 1)
 
 
+# "auto" takes one FSDP unit where the whole model's 16-bit weights and gradients, held at once instead of
+# block by block, cost at most this share of the device's memory (6 bytes per parameter for a trained
+# model, 2 for a frozen one: +9 GiB for a 1.5B policy, +42 GiB for a 7B one).
+AUTO_MODEL_UNIT_SHARE = 0.15
+
+
+def auto_unit(module: nn.Module, ctx: DistContext, trainable: bool) -> str:
+    """FSDP unit for fsdp_unit="auto": "model" on one rank when its memory cost is small, else "block".
+    One unit drops FSDP's per-block hooks (BENCHMARKS.md, learner session 5: 1.12-1.22x on packed 4k
+    micro-batches of a 1.5B model on one H200); several ranks keep per-block units, which shard weights."""
+    if ctx.world_size > 1:
+        return "block"
+    extra = sum(p.numel() for p in module.parameters()) * (6 if trainable else 2)
+    return "model" if extra <= AUTO_MODEL_UNIT_SHARE * device_memory(ctx.device) else "block"
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device` (a GPU's, or the host's RAM for the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class Worker:
     """One role's sharded module, optimizer and step counters. `hf_model` is the HF model inside `module`
     whose attention is switched to packed attention and whose decoder blocks are sharded one by one;
@@ -88,9 +112,7 @@ class Worker:
             module.requires_grad_(False)
             for param in module.parameters():  # a frozen model needs no float32 master copy; buffers (RoPE
                 param.data = param.data.to(self.compute_dtype)  # frequencies) stay float32 as in the policy
-        # one rank: one FSDP unit, without per-block hooks (BENCHMARKS.md, learner session 5: 1.12-1.22x on
-        # packed 4k micro-batches); several: per block, so no rank holds all gathered weights at once
-        self.fsdp_unit = config.fsdp_unit if config.fsdp_unit != "auto" else "model" if ctx.world_size == 1 else "block"
+        self.fsdp_unit = config.fsdp_unit if config.fsdp_unit != "auto" else auto_unit(module, ctx, trainable)
         self.module = shard(
             module, decoder_blocks(hf_model), ctx,
             param_dtype=self.compute_dtype if trainable and use_bf16 else None,

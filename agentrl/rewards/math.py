@@ -222,10 +222,12 @@ _FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
 _SLASH = re.compile(r"([^/]+)/([^/]+)")
 _POWER = re.compile(r"(?:(.+?)(?:\\times|\\cdot|\*))?(\d+(?:\.\d+)?)\^(?:\{([+-]?\d+)\}|(\d))")
 _MAX_DIGITS = 2000  # bigger exact numbers are left to the worker, which can be killed
-# Two numbers are equal when equal as fractions or, for a gold that is not an integer, within this
-# relative distance: Qwen2.5-Math's (and so ToRL's) tolerance. It accepts 0.3333 for 1/3 (but not 0.333)
-# and the code tool's float noise (0.30000000000000004 for 0.3). Unlike Qwen's grader, an integer gold
-# (AIME, AMC, GSM8K) takes only float noise: 10001 and 204.01 are not 10000 and 204.
+# Two numbers are equal when equal as fractions, or within float noise (the code tool's 0.30000000000000004
+# for 0.3), or, for a decimal prediction of a gold that no finite decimal can write (1/3, 2/7), within this
+# relative distance: Qwen2.5-Math's (and so ToRL's) tolerance, which accepts 0.3333 for 1/3 (but not
+# 0.333). Unlike Qwen's grader, nothing else gets it: a gold that is an integer (AIME, AMC, GSM8K), a
+# terminating decimal ($306,956.63 to the cent) or a fraction answered with a fraction is matched exactly,
+# so 10001, 306987.00 and 10202/200 are not 10000, 306956.63 and 10201/200.
 REL_TOL = 1e-4
 FLOAT_NOISE = 1e-9
 
@@ -255,12 +257,23 @@ def _to_number(s: str) -> Fraction | None:
     return None
 
 
-def _numbers_equal(pred: Fraction, gold: Fraction) -> bool:
+def _numbers_equal(pred: Fraction, gold: Fraction, pred_decimal: bool) -> bool:
+    """`pred_decimal`: the prediction was written with a decimal point (a rounding, possibly)."""
     if pred == gold:
         return True
-    if gold.denominator == 1:  # an integer answer: only float noise, never a near miss (204.01 is not 204)
-        return abs(pred - gold) <= FLOAT_NOISE * max(abs(pred), abs(gold))
-    return abs(pred - gold) <= REL_TOL * max(abs(pred), abs(gold))
+    scale = max(abs(pred), abs(gold))
+    if abs(pred - gold) <= FLOAT_NOISE * scale:
+        return True
+    return pred_decimal and not _terminates(gold) and abs(pred - gold) <= REL_TOL * scale
+
+
+def _terminates(x: Fraction) -> bool:
+    """Whether a finite decimal writes `x` exactly (its denominator has no prime factor but 2 and 5)."""
+    d = x.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
 
 
 def _numeric_verdict(pred: str, gold: str, pred_percent: bool, gold_percent: bool) -> bool | None:
@@ -275,10 +288,25 @@ def _numeric_verdict(pred: str, gold: str, pred_percent: bool, gold_percent: boo
         candidates.append((p, g / 100))
     if pred_percent:
         candidates.append((p / 100, g))
-    return any(_numbers_equal(x, y) for x, y in candidates)
+    decimal = "." in pred and _DECIMAL.fullmatch(pred.lstrip("+-")) is not None
+    return any(_numbers_equal(x, y, decimal) for x, y in candidates)
 
 
 # --- equivalence and the reward -----------------------------------------------------------------------
+
+
+_CLOCK = re.compile(r"\d:\d\d")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def _same_left_sides(pred: str, gold: str) -> bool:
+    """An answer written `lhs = rhs` is compared by its right side only (normalize_answer drops `x =`),
+    which is sound when one side names no variable (`x = 5` for `5`). When both are equations, their left
+    sides must agree: `x = 3/2` does not answer `y = 3/2`, nor `-k = 6` answer `k = 6`."""
+    if pred.count("=") != 1 or gold.count("=") != 1:
+        return True
+    left = [normalize_answer(x.split("=")[0]) for x in (pred, gold)]
+    return left[0] == left[1]
 
 
 def is_equiv(pred: Any, gold: Any, timeout_s: float = 5.0) -> bool:
@@ -286,10 +314,14 @@ def is_equiv(pred: Any, gold: Any, timeout_s: float = 5.0) -> bool:
     try:
         if not isinstance(pred, str) or not isinstance(gold, str):
             return False
+        if not _same_left_sides(pred, gold):
+            return False
         p, g = normalize_answer(pred), normalize_answer(gold)
         if not p or not g:
             return False
-        if p == g:
+        if _CLOCK.search(p) or _CLOCK.search(g):  # times of day are text: sympy reads 4:30p.m as 4
+            return p.lower() == g.lower()
+        if p == g or (p.lower() == g.lower() and _WORD.fullmatch(p)):  # East for east; single letters keep case
             return True
         verdict = _numeric_verdict(p, g, pred_percent="%" in pred, gold_percent="%" in gold)
         if verdict is not None:
