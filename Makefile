@@ -1,9 +1,11 @@
 # The two quickstart commands (README.md): `make demo` and `make test`. Both create or reuse .venv.
-# On a machine without CUDA, torch is the CPU build (TORCH_SPEC); with CUDA, pip's default build.
+# On a machine without CUDA, torch is TORCH_SPEC from TORCH_INDEX (pip's indexes when empty; README.md);
+# with CUDA, pip's default build.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 SHARED ?= ../shared/data
 # The demo reads local copies of the benchmark files when ../shared is there, the hub otherwise.
 MATH500 := $(if $(wildcard $(SHARED)/math/math500.jsonl),--set dataset.path=$(SHARED)/math/math500.jsonl,--set dataset.path=HuggingFaceH4/MATH-500 --set dataset.split=test)
@@ -17,7 +19,7 @@ $(BIN)/python:
 # Stamp file: reinstall when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
-	 else $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
+	 else $(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"; fi
 	$(BIN)/pip install -q -e '.[dev,docker]'
 	touch $@
 

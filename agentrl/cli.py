@@ -127,6 +127,8 @@ def tasks_check(
     from agentrl.rewards import build_reward
     from agentrl.task import load_task
 
+    if out is not None and out.exists() and not out.is_dir():
+        raise _fail(f"--out {out}: is a file; expected a directory (it gets config.yaml, results.jsonl, summary.json)")
     try:
         task = load_task(file, overrides or [])
         rows = task.rows()

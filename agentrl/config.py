@@ -45,6 +45,21 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return path, value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: plain YAML keeps the
+    last one, silently dropping what the first one set."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_model(model_cls: type[M], path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> M:
     """Load `path` (YAML) into `model_cls`, applying `--set` overrides first."""
     source = str(path)
@@ -54,8 +69,10 @@ def load_model(model_cls: type[M], path: str | os.PathLike[str], overrides: Iter
         raise ConfigError(f"{source}: file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{source}: is a directory, expected a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {e.start}), expected a YAML file") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader that refuses duplicate keys
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -167,7 +184,8 @@ def _expected_keys(key: str, fields: Iterable[str]) -> str:
 
 def _coerce(raw: str, annotation: Any) -> Any:
     """Parse a `--set` value as YAML (3 -> int, true -> bool, [1, 2] -> list), except where the field
-    is a string, a path or a string choice: there the text is kept as written ("no" stays "no")."""
+    is a string, a path or a string choice: there the text is kept as written ("no" stays "no"), bar one
+    pair of enclosing quotes, which is how a value with leading or trailing spaces is written."""
     alternatives = _unwrap(annotation) if annotation is not None else []
     stringy = bool(alternatives) and all(
         a in (str, Path) or (typing.get_origin(a) is typing.Literal and all(isinstance(v, str) for v in typing.get_args(a)))
@@ -175,6 +193,13 @@ def _coerce(raw: str, annotation: Any) -> Any:
     )
     optional = annotation is not None and type(None) in typing.get_args(annotation)
     if stringy and not (optional and raw.strip().lower() in ("null", "none", "~")):
+        quoted = raw.strip()
+        if len(quoted) >= 2 and quoted[0] == quoted[-1] and quoted[0] in "'\"":  # `" ?"` means ` ?`
+            try:
+                unquoted = yaml.safe_load(quoted)
+            except yaml.YAMLError:
+                return raw
+            return unquoted if isinstance(unquoted, str) else raw
         return raw
     try:
         return yaml.safe_load(raw) if raw.strip() else raw

@@ -151,7 +151,7 @@ class RewardSpec(StrictModel):
                 if err["type"] == "extra_forbidden":
                     problems.append(f"unknown key {loc!r}; {self.name} takes: {', '.join(model.model_fields)}")
                 else:
-                    problems.append(f"{loc}: {err['msg']}")
+                    problems.append(f"{loc}: got {err.get('input')!r}: {err['msg']}")
             raise ValueError("; ".join(problems)) from None
         return self
 
@@ -295,8 +295,11 @@ class Task:
             if m is None:
                 raise ConfigError(f"{self.source}: dataset.answer_regex: no match in the answer of {where}")
             answer = m.group(1).strip()
-        if isinstance(answer, (list, tuple)):
+        if isinstance(answer, (list, tuple)) and all(isinstance(a, (str, int, float)) for a in answer):
             return [str(a) for a in answer]
+        if not isinstance(answer, (str, int, float)):
+            raise ConfigError(f"{self.source}: dataset.fields.answer: {where} has an answer of type "
+                              f"{type(answer).__name__} ({str(answer)[:60]}); expected text, a number or a list of them")
         return str(answer)
 
     # --- prompts ---------------------------------------------------------------------------------
@@ -307,6 +310,10 @@ class Task:
             return _fill(p.template, row)
         if tokenizer is None:
             raise ValueError("a chat prompt needs a tokenizer with a chat template to render")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.source}: prompt.messages need a tokenizer with a chat template, and "
+                              f"{getattr(tokenizer, 'name_or_path', 'this tokenizer')!r} has none: use one that "
+                              "has, or write the prompt as prompt.template")
         messages = [{"role": m.role, "content": _fill(m.content, row)} for m in p.messages or []]
         tools = None
         if self.spec.tools.format == "hermes":
@@ -356,24 +363,30 @@ def _read_local(path: Path, source: str) -> list[dict[str, Any]]:
     # Read JSON ourselves rather than through Arrow: answers keep their exact text and type
     # ("1.0" stays "1.0"; a column mixing strings and lists does not break schema inference).
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if path.suffix == ".jsonl":
-        rows = []
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{source}: dataset.path: {path} line {n} is not valid JSON: {e.msg}") from None
-        return _check_objects(rows, path, source)
+        try:
+            return pq.read_table(path).to_pylist()
+        except pa.ArrowException as e:
+            raise ConfigError(f"{source}: dataset.path: {path} is not a readable parquet file: {e}") from None
     try:
-        data = json.loads(path.read_text())
+        if path.suffix == ".jsonl":
+            rows = []
+            with path.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{source}: dataset.path: {path} line {n} is not valid JSON: {e.msg}") from None
+            return _check_objects(rows, path, source)
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: dataset.path: {path} is not valid JSON (line {e.lineno}): {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source}: dataset.path: {path} is not UTF-8 text (byte {e.start}); expected JSON") from None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]}
     if not isinstance(data, list):

@@ -44,3 +44,11 @@ def test_tasks_show_refuses_a_count_below_one():
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "show", "tasks/torl_math.yaml", "-n", "0"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2 and "Invalid value for '-n'" in out.stderr
+
+
+def test_tasks_check_refuses_an_out_that_is_a_file(tmp_path):
+    taken = tmp_path / "summary.json"
+    taken.write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "check", "tasks/torl_math.yaml", "--out", str(taken)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "is a file; expected a directory" in out.stderr and "Traceback" not in out.stderr

@@ -129,6 +129,20 @@ def test_missing_file_and_bad_yaml(tmp_path):
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_model(Outer, top)
+    twice = tmp_path / "twice.yaml"  # plain YAML keeps the last: the first block's settings would vanish
+    twice.write_text("inner:\n  steps: 5\nseed: 1\ninner:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"line 4, column 1\): key 'inner' appears twice"):
+        load_model(Outer, twice)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_model(Outer, latin)
+
+
+def test_quoted_string_override_loses_its_quotes(cfg_file):
+    assert load_model(Outer, cfg_file, ['inner.name=" run 2 "']).inner.name == " run 2 "
+    assert load_model(Outer, cfg_file, ["inner.tag='x'"]).inner.tag == "x"
+    assert load_model(Outer, cfg_file, ['inner.name="a"b"']).inner.name == '"a"b"'  # not one quoted scalar
 
 
 def test_write_resolved_round_trips_and_leaves_no_temp_files(tmp_path, cfg_file):

@@ -331,6 +331,7 @@ def test_registry_errors() -> None:
         ("<answer>Rome</answer> no, <answer>Paris</answer>", "Paris"),
         ("<answer>Rome</answer> and a truncated <answer>Par", "Rome"),
         ("no tags", None), ("</answer><answer>", None), ("", None), (None, None),
+        ("<answer> Paris </answer></answer>", "Paris"),  # a stray closing tag is not content
     ],
 )
 def test_extract_answer(text, answer) -> None:
@@ -366,3 +367,12 @@ def test_qa_f1() -> None:
     assert f1("no tag obama", ["obama"]).parts == {"f1": 0.0, "correct": 0.0, "has_answer": 0.0}
     assert f1("<answer></answer>", ["obama"]).score == 0.0
     assert f1(None, None).score == 0.0
+
+
+def test_golds_that_normalisation_empties() -> None:
+    """NQ's "A+" loses its "a" (an article) and its "+": an empty answer must not match it, "A+" must."""
+    em, f1 = QAExactMatch(), QAF1()
+    assert em("<answer>A+</answer>", ["A+", "AB+"]).score == 1.0 and f1("<answer>a+</answer>", ["A+"]).score == 1.0
+    for empty in ("<answer></answer>", "<answer> the </answer>"):
+        assert em(empty, ["A+", "AB+"]).score == 0.0 and f1(empty, ["A+"]).score == 0.0
+    assert em("<answer>B+</answer>", ["A+"]).score == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -190,6 +191,27 @@ def test_bad_rows_name_the_row(tmp_path):
     noa = write_jsonl(tmp_path / "noa.jsonl", [{"problem": "x", "solution": "no box"}])
     with pytest.raises(ConfigError, match="has no answer"):
         load_task(TORL, [f"dataset.path={noa}"]).rows()
+
+
+def test_unreadable_datasets_and_answers_are_named(tmp_path, tiny_tokenizer):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_task(TORL, [f"dataset.path={latin}"]).rows()
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(ConfigError, match="is not a readable parquet file"):
+        load_task(TORL, [f"dataset.path={broken}"]).rows()
+    nested = write_jsonl(tmp_path / "nested.jsonl", [{"problem": "x", "answer": {"value": "5"}}])
+    with pytest.raises(ConfigError, match="has an answer of type dict"):
+        load_task(TORL, [f"dataset.path={nested}"]).rows()
+    with pytest.raises(ConfigError, match="reward: params.correct: got 'abc'"):
+        load_task(TORL, ["reward.params.correct=abc"])
+    plain = copy.deepcopy(tiny_tokenizer)  # the fixture is shared by the session
+    plain.chat_template = None
+    search = write_jsonl(tmp_path / "nq.jsonl", [{"question": "who?", "golden_answers": ["me"], "id": "1"}])
+    with pytest.raises(ConfigError, match="need a tokenizer with a chat template"):
+        next(iter(load_task(SEARCH_R1, [f"dataset.path={search}"]).prompts(plain)))
 
 
 def test_cli_validate_and_show_on_math500():

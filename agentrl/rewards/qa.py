@@ -38,6 +38,7 @@ def extract_answer(text: Any) -> str | None:
     start = text.rfind("<answer>", 0, end)
     if start < 0:
         return None
+    end = text.find("</answer>", start)  # the pair's own closing tag: a stray second one is not content
     return text[start + len("<answer>") : end].strip()
 
 
@@ -53,17 +54,30 @@ def gold_list(ground_truth: Any) -> list[str]:
         return []
 
 
+def _normalized_pair(pred: str, gold: str) -> tuple[str, str]:
+    """Both answers normalised; for a gold that normalisation empties (NQ's "A+", "---"), only lowercased
+    and whitespace-collapsed, so that an empty answer cannot match it (Search-R1's EM would accept one)
+    and the right one still does."""
+    g = normalize_text(gold)
+    if g:
+        return normalize_text(pred), g
+    return " ".join(pred.lower().split()), " ".join(gold.lower().split())
+
+
 def exact_match(pred: str, golds: list[str]) -> bool:
-    p = normalize_text(pred)
-    return any(p == normalize_text(g) for g in golds)
+    return any(p == g and g for p, g in (_normalized_pair(pred, gold) for gold in golds))
 
 
 def f1_score(pred: str, golds: list[str]) -> float:
-    """Token-level F1 between normalised answers, the max over gold answers (SQuAD's definition)."""
-    pred_tokens = normalize_text(pred).split()
+    """Token-level F1 between normalised answers, the max over gold answers (SQuAD's definition; where
+    either side has no tokens, 1 only when both have none, as SQuAD v2)."""
     best = 0.0
     for gold in golds:
-        gold_tokens = normalize_text(gold).split()
+        p, g = _normalized_pair(pred, gold)
+        pred_tokens, gold_tokens = p.split(), g.split()
+        if not pred_tokens or not gold_tokens:
+            best = max(best, float(pred_tokens == gold_tokens and bool(g)))
+            continue
         same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
         if same == 0:
             continue
