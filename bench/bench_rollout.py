@@ -125,6 +125,40 @@ class Instances:
             await e.aclose()
 
 
+# vLLM's Prometheus metrics (recorded in this process, the engine's frontend): the iteration-tokens
+# histogram gets one sample per engine step, so its count is the number of steps a mode took. (With
+# --instances above 1 each new engine re-registers the metrics: only the last engine's are counted.)
+COUNTERS = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_tokens_total_sum": "step_tokens",
+            "vllm:num_preemptions_total": "preemptions", "vllm:prompt_tokens_total": "prompt_tokens",
+            "vllm:prompt_tokens_cached_total": "cached_prompt_tokens"}
+
+
+def sum_samples(metrics) -> dict[str, float]:
+    """Totals of COUNTERS over Prometheus metric families (all engines, all label values)."""
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    for metric in metrics:
+        for sample in metric.samples:
+            if sample.name in COUNTERS:
+                out[COUNTERS[sample.name]] += sample.value
+    return out
+
+
+def engine_counters() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    return sum_samples(REGISTRY.collect())
+
+
+def step_stats(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """What one mode cost the engine: steps, tokens per step, ms per step, preemptions, cached prompt share.
+    Tells a mode that ran more steps from one whose steps ran slower."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["steps"] or float("nan")
+    return {"steps": int(d["steps"]), "tokens_per_step": round(d["step_tokens"] / steps, 1),
+            "ms_per_step": round(1000 * seconds / steps, 2), "preemptions": int(d["preemptions"]),
+            "cached_prompt_share": round(d["cached_prompt_tokens"] / d["prompt_tokens"], 3) if d["prompt_tokens"] else 0.0}
+
+
 async def run_plain(engine: Instances, prompts, tokens: list[int]) -> int:
     """Each prompt generates its trajectory's total of model tokens in one request."""
     from vllm import SamplingParams, TokensPrompt
@@ -236,12 +270,14 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             engine.admission_interval_s = wave_ms / 1000
             for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
                 loop.run_until_complete(e.engine.reset_prefix_cache())
+            before = engine_counters()
             t0 = time.perf_counter()
             if name == "plain":
                 generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
             else:
                 generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
             seconds = time.perf_counter() - t0
+            extra |= step_stats(before, engine_counters(), seconds)
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
@@ -264,8 +300,8 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
     print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
-          "(tokens/s) | vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(tokens/s) | engine steps (each) | ms per step (each) | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, runs in groups(rows).items():
         graphs, dist, mode = key
         rates = [r["tokens_per_s"] for r in runs]
@@ -276,7 +312,9 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
             cells.append("-" if not ratios else f"{statistics.median(ratios):.2f}" if len(ratios) == 1 else
                          f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})")
         print(f"| {graphs} | {dist} | {mode} | {runs[0]['generated_tokens']} | {statistics.median(r['seconds'] for r in runs)} | "
-              f"{statistics.median(rates):,.0f} | {', '.join(f'{x:,}' for x in rates)} | {cells[0]} | {cells[1]} |")
+              f"{statistics.median(rates):,.0f} | {', '.join(f'{x:,}' for x in rates)} | "
+              f"{', '.join(str(r.get('steps', '-')) for r in runs)} | {', '.join(str(r.get('ms_per_step', '-')) for r in runs)} | "
+              f"{cells[0]} | {cells[1]} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "engine_start_s": start_s}, f, indent=2)
