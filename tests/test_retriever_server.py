@@ -153,7 +153,9 @@ def test_batcher_merges_waiting_requests_into_one_search():
         first = asyncio.create_task(batcher.retrieve(["1"], 1))
         await asyncio.to_thread(started.wait, 30)  # the worker is busy with the first request
         waiting = [asyncio.create_task(batcher.retrieve([str(i)], k)) for i, k in ((2, 1), (3, 3), (4, 2))]
+        deadline = time.monotonic() + 30
         while batcher.waiting < 3:  # readiness: all three are queued behind the busy worker
+            assert time.monotonic() < deadline, f"only {batcher.waiting} of 3 requests queued"
             await asyncio.sleep(0)
         release.set()
         results = await asyncio.gather(first, *waiting)

@@ -416,6 +416,36 @@ def test_async_and_turn_sync_give_the_same_trajectories(tok):
     assert [t.prompt.id for t in a] == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"]
 
 
+@pytest.mark.parametrize("mode", ["turn_sync", "async"])
+def test_turn_sync_runs_every_first_turn_before_any_second(tok, mode):
+    """One trajectory's tool gives up the event loop 50 times before answering (no wall-clock wait): the
+    turn-synchronous loop still starts no second turn before it, the async loop does."""
+
+    events: list[str] = []
+
+    class Yielding(FunctionTool):
+        async def call(self, call):
+            if "7" in call.arguments["code"]:
+                for _ in range(50):
+                    await asyncio.sleep(0)
+                events.append("slow tool done")
+            return run_python(call.arguments)
+
+    class Logging(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling, *, session=None):
+            events.append(f"turn {self.turns[session]}")
+            return await super().generate(prompt_ids, sampling, session=session)
+
+    slow_call = "```python\nprint(7)\n```\n```output"
+    scripts = {"p0": [slow_call, "\\boxed{7}" + EOS]} | {f"p{i}": [CALL, "\\boxed{2}" + EOS] for i in (1, 2)}
+    prompts = [prompt_of(tok, pid=pid) for pid in scripts]
+    run(rollout(prompts, engine=Logging(tok, scripts), fmt=TorlFormat(), tools={"python": Yielding("python", None)},
+                budgets=Budgets(max_turns=2, max_tool_calls=1), tokenizer=tok, config=RolloutConfig(n=2, mode=mode)))
+    assert events.count("turn 1") == 6 and events.count("slow tool done") == 2
+    second_turns_before_the_slow_tools = events[: events.index("slow tool done")].count("turn 1")
+    assert second_turns_before_the_slow_tools == (0 if mode == "turn_sync" else 4)  # the 4 fast trajectories
+
+
 def test_metrics_and_dump(tok, tmp_path):
     scripts = {"p0": [CALL, "\\boxed{1}" + EOS], "p1": ["\\boxed{1}" + EOS]}
     _, ts = do_rollout(tok, TorlFormat(), scripts, Budgets(max_turns=2, max_tool_calls=1),
@@ -442,8 +472,14 @@ def test_a_failing_trajectory_stops_the_others(tok, mode):
                 raise RuntimeError("engine died for one request")
             return await super().generate(prompt_ids, sampling, session=session)
 
+    class Hanging(Failing):  # the good trajectory's request never finishes on its own: only cancelling ends it
+        async def generate(self, prompt_ids, sampling, *, session=None):
+            if session.startswith("good"):
+                await asyncio.Event().wait()
+            return await super().generate(prompt_ids, sampling, session=session)
+
     slow = FunctionTool("python", run_python, delay_s=30)
-    engine = Failing(tok, {"good": [CALL, "\\boxed{1}" + EOS]})
+    engine = (Hanging if mode == "turn_sync" else Failing)(tok, {"good": [CALL, "\\boxed{1}" + EOS]})
     prompts = [prompt_of(tok, pid="good"), prompt_of(tok, pid="bad")]
 
     async def main():

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 
 from agentrl.tools.code import CodeTool
 from agentrl.types import ToolCall
-from sandbox.testing import ServerProcess, descendants, free_port
+from sandbox.testing import ServerProcess, descendants, free_port, sandbox_uid_processes
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +104,26 @@ def test_session_cap_holds_under_concurrent_creates_and_idle_is_bounded():
         assert s.leftovers() == []
 
 
+def _health_until(server: ServerProcess, condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition(health := call(server, "GET", "/health").json()):
+        assert time.monotonic() < deadline, f"{what}: /health stayed {health}"
+        time.sleep(0.01)  # a polling interval: the state is read each time
+
+
 def test_overload_answers_503(server):
-    body = {"code": "import time\ntime.sleep(3)", "language": "python"}
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(call, server, "POST", "/run_code", json=body) for _ in range(4)]
-        codes = sorted(f.result().status_code for f in futures)
-    assert codes.count(200) >= 1 and 503 in codes
-    refused = next(f.result() for f in futures if f.result().status_code == 503)
-    assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["detail"]
+    """One worker, a queue of one: with A running and B queued (seen in /health), C and D are refused."""
+    busy = {"code": "while True: pass", "language": "python", "run_timeout": 3}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(call, server, "POST", "/run_code", json=busy)
+        _health_until(server, lambda h: h["idle"] == 0, "A never started")
+        b = pool.submit(call, server, "POST", "/run_code", json={"code": "print(2)", "language": "python"})
+        _health_until(server, lambda h: h["queued"] == 1, "B never queued")
+        refused = [call(server, "POST", "/run_code", json={"code": "print(3)", "language": "python"}) for _ in range(2)]
+        assert [r.status_code for r in refused] == [503, 503]
+        assert a.result().json()["run_result"]["status"] == "TimeLimitExceeded"
+        assert b.result().json()["run_result"]["stdout"] == "2\n"
+    assert refused[0].headers["retry-after"] == "1" and "overloaded" in refused[0].json()["detail"]
     assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
 
 
@@ -129,11 +142,16 @@ def test_client_disconnect_kills_the_run(server):
 
     assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
     before = open_fds()
-    code = "import os, time\nos.fork()\ntime.sleep(60)"
+    payload = json.dumps({"code": "import os, time\nos.fork()\ntime.sleep(60)", "language": "python",
+                          "run_timeout": 60}).encode()
     for _ in range(3):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/run_code", json={"code": code, "language": "python", "run_timeout": 60},
-                       timeout=1.5)
+        with socket.create_connection(("127.0.0.1", server.port)) as client:  # hung up once the run is seen
+            client.sendall(b"POST /run_code HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            deadline = time.monotonic() + 30
+            while not sandbox_uid_processes():  # the run's fork (its first process is the zygote's child)
+                assert time.monotonic() < deadline, "the run's forked process never appeared"
+                time.sleep(0.01)  # a polling interval: the process table is read each time
         assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
     body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
     assert body["run_result"]["stdout"] == "2\n"

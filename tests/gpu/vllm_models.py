@@ -1,6 +1,6 @@
 """The models and prompts the vLLM GPU tests share: two random-weight Qwen2.5-0.5B-shaped checkpoints
 (seeds 0 and 1) in float32, sharpened so greedy choices compare implementations, not rounding
-(agentrl/engine/random_model.py), with the real Qwen2.5 tokenizer named by AGENTRL_TOKENIZER; and a wait
+(agentrl/engine/random_model.py), with the real Qwen2.5 tokenizer (AGENTRL_TOKENIZER, else ../shared's); and a wait
 for a closed engine's GPU memory before the next engine starts."""
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ def two_models_and_prompts(tmp_path_factory: Any, n_prompts: int) -> tuple[Any, 
     """(tokenizer, checkpoint a, checkpoint b, `n_prompts` tokenized prompts); skips without a tokenizer."""
     from transformers import AutoTokenizer
 
-    tok_dir = os.environ.get("AGENTRL_TOKENIZER")
-    if not tok_dir:
-        pytest.skip("set AGENTRL_TOKENIZER to the Qwen2.5 tokenizer directory")
+    from tests.conftest import QWEN_DIR
+
+    tok_dir = os.environ.get("AGENTRL_TOKENIZER") or str(QWEN_DIR)
+    if not (Path(tok_dir) / "tokenizer_config.json").exists():
+        pytest.skip(f"no Qwen2.5 tokenizer at {tok_dir}: set AGENTRL_TOKENIZER to one (../shared has it)")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     root = tmp_path_factory.mktemp("models")
     kw = dict(dtype="float32", sharpen=8.0, max_position_embeddings=4096)
