@@ -10,6 +10,8 @@ import base64
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,8 +52,20 @@ def test_driver_runs_files_stdin_and_truncates():
 
 
 def test_driver_enforces_the_timeout_on_the_whole_process_group():
-    report = drive(Job(code="sleep 30 & sleep 30", language="bash", timeout_s=0.5, memory_mb=256))
+    report = drive(Job(code="sleep 30 & echo $!; sleep 30", language="bash", timeout_s=0.5, memory_mb=256))
     assert report["status"] == "TimeLimitExceeded" and report["code"] is None
+    background = Path(f"/proc/{int(report['stdout'].split()[0])}/stat")  # killed too, not only the leader
+
+    def running() -> bool:
+        try:
+            return background.read_text().split(")")[-1].split()[0] != "Z"
+        except OSError:  # gone
+            return False
+
+    deadline = time.monotonic() + 10
+    while running():
+        assert time.monotonic() < deadline, "the run's background process outlived its timeout"
+        time.sleep(0.01)  # a polling interval: the process table is read each time
 
 
 def test_container_config_isolates():
