@@ -86,11 +86,13 @@ def measure_peak(setup: Setup) -> float:
     for _ in range(3):
         a @ b
     sync(setup)
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    sync(setup)
-    return 10 * 2 * n**3 / (time.perf_counter() - start)
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 1.0 or count < 10:  # at least a second: clocks settle
+        for _ in range(10):
+            a @ b
+        count += 10
+        sync(setup)
+    return count * 2 * n**3 / elapsed
 
 
 def trajectory(rng: random.Random, vocab: int, prompt_len: int, response_len: int) -> Trajectory:
@@ -186,7 +188,7 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
                           "mfu": mfu(setup, tokens, seconds), "peak_gib": peak})
         if is_rl:
             rl_rates[budget] = total / seconds
-    if args.profile:  # after every timed row: a profiler run can leave later steps slower (CUPTI stays attached)
+    if args.profile:  # last in the process (main allows it with one variant and no baseline only)
         profile(setup, lambda b=my_batch(setup, workloads[0][1], workloads[0][2]): worker.train_step(b))
     if name == args.memory_variant:
         memory_sweep(setup, worker, args)
@@ -324,7 +326,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print a profiler table for each variant's first workload")
+    parser.add_argument("--profile", action="store_true", help="after the timed rows, print a profiler table of the "
+                        "variant's first workload (one variant, --no-baseline: a profiler run slows what follows)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     parser.add_argument("--ours", default=None, help="VARIANT:BUDGET compared with the padded loop, named before "
                         "measuring (default: the last variant at the largest budget)")
@@ -333,6 +336,12 @@ def main() -> None:
     args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled_keep,compiled_root")).split(",")
     args.budgets = [int(b) for b in (args.budgets or ("256,512" if tiny else "4096,8192")).split(",")]
     args.ours = args.ours or f"{args.variants[-1]}:{max(args.budgets)}"
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)}")
+    if args.profile and (len(args.variants) > 1 or not args.no_baseline):
+        parser.error("--profile needs one variant and --no-baseline: after a profiler run in the same process "
+                     "later measurements run slower (CUPTI stays attached; pytorch/pytorch#144455)")
     if tiny:
         args.chunk = min(args.chunk, 64)
         args.rl_per_gpu = min(args.rl_per_gpu, 12)
@@ -380,6 +389,7 @@ def main() -> None:
             continue
         finally:
             free_memory(setup)
+            torch._dynamo.reset()  # the next variant compiles afresh, not on this one's cache entries
         rl_rates |= {(name, budget): rate for budget, rate in result.items()}
 
     # "ours" is named before measuring (--ours), not the fastest row; eager packed at the same budget is the

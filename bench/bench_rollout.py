@@ -265,8 +265,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
         waves = [float(x) for x in args.admission_ms.split(",")]
         modes = args.modes.split(",")
-        runs = [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (waves if m == "async" else [0.0])]
-        for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in runs):
+        for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
             engine.admission_interval_s = wave_ms / 1000
             for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
                 loop.run_until_complete(e.engine.reset_prefix_cache())
@@ -284,6 +283,14 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
     loop.run_until_complete(engine.aclose())
     return rows, start_s
+
+
+def schedule(modes: list[str], waves: list[float], repeat: int) -> list[tuple[str, float]]:
+    """(mode, admission ms) in the order repeat `repeat` runs them: plain, async once per admission setting,
+    turn_sync; the admission settings rotate from repeat to repeat, so none always runs first."""
+    k = repeat % len(waves)
+    turned = waves[k:] + waves[:k]
+    return [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (turned if m == "async" else [0.0])]
 
 
 def groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.bench_rollout import groups, step_stats, sum_samples, turn_lengths
+from bench.bench_rollout import groups, schedule, step_stats, sum_samples, turn_lengths
 
 
 def test_turn_lengths_are_seeded_and_bounded() -> None:
@@ -44,3 +44,10 @@ def test_rows_group_by_mode_in_run_order() -> None:
     got = groups(rows)
     assert list(got) == [("default", "lognormal", "plain"), ("default", "lognormal", "async")]
     assert [r["tokens_per_s"] for r in got[("default", "lognormal", "async")]] == [90, 91]
+
+
+def test_admission_settings_rotate_between_repeats() -> None:
+    modes = ["plain", "async", "turn_sync"]
+    assert schedule(modes, [50.0, 200.0], 0) == [("plain", 0.0), ("async", 50.0), ("async", 200.0), ("turn_sync", 0.0)]
+    assert schedule(modes, [50.0, 200.0], 1) == [("plain", 0.0), ("async", 200.0), ("async", 50.0), ("turn_sync", 0.0)]
+    assert schedule(["async"], [0.0], 3) == [("async", 0.0)]
