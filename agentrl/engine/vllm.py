@@ -18,8 +18,8 @@ arguments), then the prefix cache is reset.
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
 graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop's throughput +8% at
-20 ms and +11% at 50 ms against none; 200 ms a further +8-9% over 50 ms (two paired repeats, heavy-tailed
-turns), for at most 200 ms more per turn. While new turns wait, the other trajectories' steps run with
+20 ms and +11% at 50 ms against none; 200 ms +8-9% over 50 ms in two paired repeats on heavy-tailed turns
+(both with 50 ms first, so order is not ruled out), for at most 200 ms more per turn. While new turns wait, the other trajectories' steps run with
 fewer sequences, which costs little where steps are bound by per-sequence host work, as they are for
 small models.
 
