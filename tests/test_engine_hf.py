@@ -106,6 +106,10 @@ def test_stop_completed_in_last_token():
     assert stop_completed_in_last_token("```output and more", "```output and mor", ["```output"]) is None
     assert stop_completed_in_last_token("x</search>", "x</sea", ["</answer>", "</search>"]) == "</search>"
     assert stop_completed_in_last_token("", "", ["a"]) is None
+    # a multi-byte character split between tokens: without its last byte it decodes as U+FFFD, one character
+    assert stop_completed_in_last_token("answer is 5 →", "answer is 5 \ufffd", ["→"]) == "→"
+    assert stop_completed_in_last_token("the end。", "the end\ufffd", ["。"]) == "。"
+    assert stop_completed_in_last_token("→ then 。", "→ then \ufffd", ["→"]) is None  # the earlier one stopped already
 
 
 def test_update_weights_changes_outputs_and_rejects_unknown_names(model_and_tok):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.tools import Tool
+from agentrl.tools.code import CodeTool
 from agentrl.tools.search import SearchTool, format_passages, retrieve_url
 from agentrl.types import ToolCall
 from tests.test_retriever_support import build_index, free_port, serve_index, serving, write_jsonl
@@ -170,7 +172,40 @@ def test_refused_connection_becomes_an_error_result():
     assert result.error == "connection" and "cannot reach" in result.text
 
 
-def test_a_url_without_a_scheme_is_an_error_result_not_an_exception():
-    result = _run(_call(f"127.0.0.1:{free_port()}", "x", max_retries=3, backoff_s=0.01))
-    assert result.error == "connection" and "cannot use the search service URL" in result.text
-    assert result.metadata["attempts"] == 1  # no retry can fix a URL
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000/retrieve", "http://127.0.0.1:80x0/retrieve",
+                                 "http://[::1/retrieve", "ftp://127.0.0.1:8000"])
+def test_an_unusable_url_is_refused_when_the_tool_is_made(url):
+    """A URL no request can use is configuration, not a tool failure: named before any rollout starts."""
+    with pytest.raises(ValueError, match="the retrieval service's URL"):
+        SearchTool(url)
+    with pytest.raises(ValueError, match="the sandbox's URL"):
+        CodeTool(url)
+
+
+def test_a_lent_client_stays_open():
+    async def scenario():
+        async with httpx.AsyncClient() as shared:
+            first, second = SearchTool("http://127.0.0.1:1", client=shared), SearchTool("http://127.0.0.1:1", client=shared)
+            await first.aclose()
+            assert not shared.is_closed  # its owner closes it
+            await second.aclose()
+        owned = SearchTool("http://127.0.0.1:1")
+        await owned.aclose()
+        return owned._client.is_closed
+
+    assert _run(scenario())
+
+
+@pytest.mark.parametrize(("status", "body"), [(400, ["bad gateway"]), (400, "bad gateway"),
+                                              (200, {"status": "Failed", "run_result": "oops"}), (200, [1, 2])])
+def test_code_tool_reads_answers_of_any_shape(status, body):
+    """A proxy or another sandbox may answer JSON that is not the expected object: a result, never a raise."""
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=transport) as client:
+            tool = CodeTool("http://sandbox", client=client, max_retries=0)
+            return await tool.call(ToolCall("python", {"code": "print(1)"}))
+
+    result = _run(scenario())
+    assert not result.ok and result.error in ("sandbox_error", "http_400"), result

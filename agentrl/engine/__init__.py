@@ -16,6 +16,7 @@ AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -63,12 +64,15 @@ class Engine(Protocol):
 def stop_completed_in_last_token(text: str, text_before_last: str, stops: Iterable[str]) -> str | None:
     """The stop string that the last token completed, if any. `text` is the decoded output so far and
     `text_before_last` the same without its last token: a stop string counts only when its end lies in
-    the last token, because it would have stopped generation earlier otherwise."""
+    the last token, because it would have stopped generation earlier otherwise. Where the two texts part
+    (not simply the shorter one's length: a character cut between tokens decodes as U+FFFD there) is where
+    the last token's text begins."""
+    boundary = len(os.path.commonprefix([text, text_before_last]))
     best: tuple[int, str] | None = None
     for s in stops:
         if not s:
             continue
-        start = text.find(s, max(0, len(text_before_last) - len(s) + 1))
+        start = text.find(s, max(0, boundary - len(s) + 1))
         if start >= 0 and (best is None or start < best[0]):
             best = (start, s)
     return best[1] if best else None

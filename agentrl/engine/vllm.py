@@ -83,6 +83,7 @@ class VLLMEngine:
         self.use_request_seeds = use_request_seeds
         self.admission_interval_s = admission_interval_ms / 1000
         self.engine = AsyncLLM.from_engine_args(args)
+        self._in_flight = 0  # generate() calls not yet returned, over all replicas
         self.max_context_tokens: int | None = self.engine.model_config.max_model_len
         self._ids = itertools.count()
 
@@ -109,13 +110,17 @@ class VLLMEngine:
             flat_logprobs=True,  # a few flat lists per request, not one dict per token: less frontend CPU
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        if self.admission_interval_s > 0:
-            await _next_wave(self.admission_interval_s)
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                              request_id=f"{session or 'r'}-{uuid.uuid4().hex[:12]}",
-                                              data_parallel_rank=self._rank(session)):
-            final = out
+        self._in_flight += 1
+        try:
+            if self.admission_interval_s > 0:
+                await _next_wave(self.admission_interval_s)
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                                  request_id=f"{session or 'r'}-{uuid.uuid4().hex[:12]}",
+                                                  data_parallel_rank=self._rank(session)):
+                final = out
+        finally:
+            self._in_flight -= 1
         if final is None or not final.outputs:
             raise RuntimeError("vLLM returned no output for a request")
         c = final.outputs[0]
@@ -130,6 +135,9 @@ class VLLMEngine:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
         from safetensors.torch import save
 
+        if self._in_flight:  # checked before any weight moves, for every replica (vLLM answers for the first)
+            raise RuntimeError(f"update_weights with {self._in_flight} requests still generating: update weights "
+                               "between rollouts, after every request has finished")
         count = 0
         for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
             payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})

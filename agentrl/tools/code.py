@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from agentrl.tools import http_url
 from agentrl.types import ToolCall, ToolResult
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
@@ -43,7 +44,7 @@ class CodeTool:
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = http_url(base_url, "the sandbox's URL").rstrip("/")
         self.language = language
         self.run_timeout = run_timeout
         self.memory_limit_mb = memory_limit_mb
@@ -148,10 +149,12 @@ def _from_response(response: httpx.Response, started: float, attempts: int) -> T
     try:
         body = response.json()
         status = body["status"]
-    except (ValueError, KeyError, TypeError):
+        run = body.get("run_result") or {}
+        if not isinstance(run, dict):
+            raise TypeError("run_result is not an object")
+    except (ValueError, KeyError, TypeError, AttributeError):  # AttributeError: a body that is not an object
         return _failure("sandbox_error", f"the sandbox sent an unreadable answer: {response.text[:200]!r}",
                         started, attempts)
-    run = body.get("run_result") or {}
     stdout, stderr = run.get("stdout") or "", run.get("stderr") or ""
     metadata = {"stdout": stdout, "stderr": stderr, "return_code": run.get("return_code"),
                 "execution_time": run.get("execution_time"), "status": run.get("status") or status,
@@ -176,9 +179,9 @@ def _join(*parts: str) -> str:
 def _http_text(response: httpx.Response) -> str:
     try:
         body = response.json()
-        detail = body.get("message") or body.get("detail")
     except ValueError:
-        detail = response.text[:300]
+        body = None
+    detail = (body.get("message") or body.get("detail")) if isinstance(body, dict) else response.text[:300]
     return f"Sandbox refused the request (HTTP {response.status_code}): {detail}"
 
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentrl.tools import http_url
 from agentrl.types import ToolCall, ToolResult
 
 DEFAULT_URL = "http://127.0.0.1:8000/retrieve"
@@ -72,16 +73,18 @@ class SearchTool:
         backoff_s: float = 0.5,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.url = retrieve_url(url)
+        self.url = retrieve_url(http_url(url, "the retrieval service's URL"))
         self.topk = topk
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
+        self._owns_client = client is None  # a lent client is its owner's to close
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()
 
     async def call(self, call: ToolCall) -> ToolResult:
         query = call.arguments.get("query")
