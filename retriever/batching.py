@@ -1,4 +1,5 @@
-"""Dynamic batching: concurrent `/retrieve` requests merged into one encoder forward and one index search.
+"""Dynamic batching: concurrent `/retrieve` requests merged into one encoder forward and one index search
+(one per distinct topk among them).
 
 Requests wait in an asyncio queue. One worker takes the first, then gathers whatever else arrives within
 `max_wait_ms` (or until `max_batch_queries` queries) - but only while the previous batch held several
@@ -139,9 +140,18 @@ class DynamicBatcher:
         return batch
 
     def _run_batch(self, batch: list[_Pending]) -> list[list[Hits]]:
-        queries = [q for item in batch for q in item.queries]
-        scores, rows = self._search(queries, max(item.k for item in batch))
-        return split_hits(scores, rows, [item.k for item in batch], [len(item.queries) for item in batch], self._fetch)
+        """One search per distinct topk in the batch (one in the usual case: a rollout's requests share it).
+        A search with a larger k may pick and order passages of tied scores differently (faiss does), so
+        searching every request at the batch's largest k would make a request's answer depend on its
+        batch-mates."""
+        out: list[list[Hits]] = [[] for _ in batch]
+        for k in dict.fromkeys(item.k for item in batch):
+            members = [i for i, item in enumerate(batch) if item.k == k]
+            scores, rows = self._search([q for i in members for q in batch[i].queries], k)
+            hits = split_hits(scores, rows, [k] * len(members), [len(batch[i].queries) for i in members], self._fetch)
+            for i, h in zip(members, hits, strict=True):
+                out[i] = h
+        return out
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -120,6 +120,7 @@ def serve(
     max_batch_queries: Annotated[int, Opt(help="Most queries merged into one batch.")] = 256,
     max_wait_ms: Annotated[float, Opt(help="How long a batch waits for more requests.")] = 2.0,
     max_queries: Annotated[int, Opt(help="Most queries in one request (413 beyond).")] = 1024,
+    max_results: Annotated[int, Opt(help="Most queries x topk in one request (413 beyond).")] = 65536,
     max_query_chars: Annotated[int, Opt(help="Longest query in characters (422 beyond).")] = 4096,
     max_body_bytes: Annotated[int, Opt(help="Largest request body (413 beyond).")] = 4 << 20,
     log_level: Annotated[str, Opt(help="uvicorn log level.")] = "warning",
@@ -144,7 +145,8 @@ def serve(
     sys.setswitchinterval(0.001)
 
     settings = ServerSettings(
-        default_topk=topk, max_queries=max_queries, max_query_chars=max_query_chars, max_body_bytes=max_body_bytes,
+        default_topk=topk, max_queries=max_queries, max_results=max_results, max_query_chars=max_query_chars,
+        max_body_bytes=max_body_bytes,
         dynamic_batching=dynamic_batching, max_batch_queries=max_batch_queries, max_wait_ms=max_wait_ms,
     )  # fmt: skip
     m = opened.manifest

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -26,7 +27,18 @@ class Passage:
     contents: str
 
     def to_json_line(self) -> bytes:
-        return (json.dumps({"id": self.id, "contents": self.contents}, ensure_ascii=False) + "\n").encode()
+        return (json.dumps({"id": self.id, "contents": self.contents}, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; expected finite numbers only")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows to a non-finite number; expected finite numbers only")
+    return value
 
 
 def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
@@ -35,9 +47,11 @@ def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
     A missing `id` falls back to the row number (as a string, like wiki-18's ids); `contents` is required.
     """
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RetrieverError(f"corpus line {line_no}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    except ValueError as e:  # NaN / Infinity: no JSON answer could carry them back to a client
+        raise RetrieverError(f"corpus line {line_no}: {e}") from None
     if not isinstance(obj, dict):
         raise RetrieverError(f"corpus line {line_no}: expected a JSON object, got {type(obj).__name__}")
     contents = obj.get("contents")

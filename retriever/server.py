@@ -12,11 +12,12 @@ by searcher.py before the app exists. cli.py runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from retriever.batching import DynamicBatcher
@@ -28,6 +29,7 @@ class ServerSettings:
     default_topk: int = 3
     max_topk: int = 1000
     max_queries: int = 1024
+    max_results: int = 65536  # queries x topk in one request: bounds the answer built for it
     max_query_chars: int = 4096
     max_body_bytes: int = 4 << 20
     dynamic_batching: bool = True
@@ -99,6 +101,9 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
             return _unprocessable(f"topk must be between 1 and {settings.max_topk}, got {topk}")
         if len(req.queries) > settings.max_queries:
             raise HTTPException(413, f"{len(req.queries)} queries in one request; the limit is {settings.max_queries}")
+        if len(req.queries) * topk > settings.max_results:
+            raise HTTPException(413, f"{len(req.queries)} queries x topk {topk} = {len(req.queries) * topk} results in "
+                                     f"one request; the limit is {settings.max_results}: split the request")
         too_long = [i for i, q in enumerate(req.queries) if len(q) > settings.max_query_chars]
         if too_long:
             return _unprocessable(f"queries {too_long[:10]} exceed {settings.max_query_chars} characters")
@@ -117,6 +122,8 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
             result = [[{"document": doc, "score": score} for doc, score in query] for query in hits]
         else:
             result = [[doc for doc, _ in query] for query in hits]
-        return JSONResponse({"result": result})
+        # serialised on a thread: a large answer must not hold up the other clients' requests
+        payload = await asyncio.to_thread(json.dumps, {"result": result}, ensure_ascii=False, allow_nan=False)
+        return Response(payload, media_type="application/json")
 
     return app

@@ -77,6 +77,18 @@ def test_a_lone_surrogate_is_a_bad_line(tmp_path):
     assert build_index(corpus, tmp_path / "idx2", "bm25", skip_bad=True).corpus.skipped_lines == 1
 
 
+@pytest.mark.parametrize(("line", "why"), [('{"id": 1e400, "contents": "x"}', "1e400 overflows"),
+                                          ('{"id": NaN, "contents": "x"}', "NaN is not a JSON number")])
+def test_a_non_finite_number_is_a_bad_line(tmp_path, line, why):
+    """Python's json reads these, but no JSON answer could carry them back: every query hitting the
+    passage would fail at serve time."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps(HAND_CORPUS[0]) + "\n" + line + "\n")
+    with pytest.raises(RetrieverError, match=f"corpus line 2: {why}"):
+        build_index(corpus, tmp_path / "idx", "bm25")
+    assert build_index(corpus, tmp_path / "idx2", "bm25", skip_bad=True).corpus.skipped_lines == 1
+
+
 def test_manifest_records_corpus_and_encoder(tmp_path, tiny_encoder):
     corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
     build_index(corpus, tmp_path / "idx", "flat", encoder=str(tiny_encoder), shard_size=3)

@@ -54,7 +54,7 @@ def lucene_bm25(query: str, docs: list[str], k1: float = 0.9, b: float = 0.4) ->
 def bm25_url(tmp_path_factory):
     root = tmp_path_factory.mktemp("bm25")
     build_index(write_jsonl(root / "c.jsonl", BM25_CORPUS), root / "idx", "bm25")
-    with serve_index(root / "idx", max_queries=5, max_query_chars=50, max_body_bytes=2000) as url:
+    with serve_index(root / "idx", max_queries=5, max_results=12, max_query_chars=50, max_body_bytes=2000) as url:
         yield url
 
 
@@ -97,6 +97,7 @@ def test_default_topk_is_three(bm25_url):
         ({"topk": 3}, 422),
         ({"queries": ["x" * 51]}, 422),
         ({"queries": ["x"] * 6}, 413),
+        ({"queries": ["x", "y", "z"], "topk": 5}, 413),  # 15 results: over max_results (12)
         ({"queries": ["capital " * 300]}, 413),
     ],
 )
@@ -152,7 +153,7 @@ def test_batcher_merges_waiting_requests_into_one_search():
         await batcher.start()
         first = asyncio.create_task(batcher.retrieve(["1"], 1))
         await asyncio.to_thread(started.wait, 30)  # the worker is busy with the first request
-        waiting = [asyncio.create_task(batcher.retrieve([str(i)], k)) for i, k in ((2, 1), (3, 3), (4, 2))]
+        waiting = [asyncio.create_task(batcher.retrieve([str(i)], k)) for i, k in ((2, 2), (3, 3), (4, 2))]
         deadline = time.monotonic() + 30
         while batcher.waiting < 3:  # readiness: all three are queued behind the busy worker
             assert time.monotonic() < deadline, f"only {batcher.waiting} of 3 requests queued"
@@ -163,8 +164,9 @@ def test_batcher_merges_waiting_requests_into_one_search():
         return results, batcher.stats
 
     results, stats = asyncio.run(scenario())
-    assert calls == [(["1"], 1), (["2", "3", "4"], 3)]  # one search for the three, at the largest topk
-    assert [[[d["row"] for d, _ in q] for q in r] for r in results] == [[[10]], [[20]], [[30, 31, 32]], [[40, 41]]]
+    # one search per topk among the three (a larger k can order ties differently, so none borrows another's)
+    assert calls == [(["1"], 1), (["2", "4"], 2), (["3"], 3)]
+    assert [[[d["row"] for d, _ in q] for q in r] for r in results] == [[[10]], [[20, 21]], [[30, 31, 32]], [[40, 41]]]
     assert (stats.batches, stats.requests, stats.largest_batch) == (2, 4, 3)
 
 
