@@ -309,12 +309,13 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
     print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
           "(tokens/s) | engine steps (each) | ms per step (each) | vs plain | vs turn_sync |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for key, runs in groups(rows).items():
+    grouped = groups(rows)
+    for key, runs in grouped.items():
         graphs, dist, mode = key
         rates = [r["tokens_per_s"] for r in runs]
         cells = []
         for base in ("plain", "turn_sync"):
-            by_repeat = {r["repeat"]: r["tokens_per_s"] for r in groups(rows).get((graphs, dist, base), [])}
+            by_repeat = {r["repeat"]: r["tokens_per_s"] for r in grouped.get((graphs, dist, base), [])}
             ratios = sorted(r["tokens_per_s"] / by_repeat[r["repeat"]] for r in runs if r["repeat"] in by_repeat)
             cells.append("-" if not ratios else f"{statistics.median(ratios):.2f}" if len(ratios) == 1 else
                          f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})")

@@ -36,6 +36,7 @@ from retriever.manifest import (
     CorpusInfo,
     EncoderInfo,
     Manifest,
+    atomic_write_text,
     partial_dir,
     read_manifest,
     write_manifest,
@@ -120,12 +121,7 @@ def append_vocab(path: Path, word_to_id: dict[str, int], terms: int, nbytes: int
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2))
 
 
 def _log(cfg: BuildConfig, message: str) -> None:

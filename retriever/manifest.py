@@ -66,15 +66,19 @@ class Manifest(_Strict):
         return self.index_type in DENSE_TYPES
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Atomically: a reader (or a resumed build) sees the whole manifest or none."""
-    path = directory / MANIFEST_FILE
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write through a synced temporary file and a rename: a reader (or a resumed build) sees the whole
+    file or the previous one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        f.write(manifest.model_dump_json(indent=2) + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    atomic_write_text(directory / MANIFEST_FILE, manifest.model_dump_json(indent=2) + "\n")
 
 
 def partial_dir(out: Path) -> Path:

@@ -12,16 +12,17 @@ by searcher.py before the app exists. cli.py runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from retriever.batching import DynamicBatcher
 from retriever.searcher import OpenIndex
+
+INLINE_RESULTS = 1024  # answers of up to this many documents are serialised on the event loop
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,9 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
             result = [[{"document": doc, "score": score} for doc, score in query] for query in hits]
         else:
             result = [[doc for doc, _ in query] for query in hits]
-        # serialised on a thread: a large answer must not hold up the other clients' requests
-        payload = await asyncio.to_thread(json.dumps, {"result": result}, ensure_ascii=False, allow_nan=False)
-        return Response(payload, media_type="application/json")
+        if len(req.queries) * topk <= INLINE_RESULTS:  # the usual answer: serialising it costs less than a thread hop
+            return JSONResponse({"result": result})
+        # a large one is serialised (in JSONResponse's constructor) on a thread: it must not hold up other clients
+        return await asyncio.to_thread(JSONResponse, {"result": result})
 
     return app

@@ -19,9 +19,9 @@ that interval, so that turns ending at staggered times enter the engine together
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
 graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop's throughput +8% at
 20 ms and +11% at 50 ms against none; 200 ms +8-9% over 50 ms in two paired repeats on heavy-tailed turns
-(both with 50 ms first, so order is not ruled out), for at most 200 ms more per turn. While new turns wait, the other trajectories' steps run with
-fewer sequences, which costs little where steps are bound by per-sequence host work, as they are for
-small models.
+(both with 50 ms first, so order is not ruled out), for at most 200 ms more per turn. While new turns
+wait, the other trajectories' steps run with fewer sequences, which costs little where steps are bound by
+per-sequence host work, as they are for small models.
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
@@ -43,6 +43,7 @@ from typing import Any
 from agentrl.engine import Completion, Sampling, bucket_by_bytes
 
 WORKER_EXTENSION = "agentrl.engine.vllm_worker.WeightUpdateExtension"
+BETWEEN_ROLLOUTS = "update weights between rollouts, after every request has finished"
 BUCKET_BYTES = 256 << 20  # weights travel in buckets of about this size: bounded host memory per RPC
 
 
@@ -136,8 +137,7 @@ class VLLMEngine:
         from safetensors.torch import save
 
         if self._in_flight:  # checked before any weight moves, for every replica (vLLM answers for the first)
-            raise RuntimeError(f"update_weights with {self._in_flight} requests still generating: update weights "
-                               "between rollouts, after every request has finished")
+            raise RuntimeError(f"{self._in_flight} requests are still generating: {BETWEEN_ROLLOUTS}")
         count = 0
         for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
             payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})
@@ -146,8 +146,7 @@ class VLLMEngine:
         # Cached KV was computed with the old weights. vLLM refuses (returns False) while requests run: their
         # KV would then outlive the update, so that is an error, not something to go on from.
         if await self.engine.reset_prefix_cache() is False:
-            raise RuntimeError("vLLM kept its prefix cache because requests are still running: update weights "
-                               "between rollouts, after every request has finished")
+            raise RuntimeError(f"vLLM kept its prefix cache because requests are still running: {BETWEEN_ROLLOUTS}")
         return count
 
     async def sleep(self, level: int = 1) -> None:

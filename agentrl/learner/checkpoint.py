@@ -58,7 +58,7 @@ def save(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None, state: dict[str, Any], ctx: DistContext,
 ) -> None:
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp, _ = _aside(final)
     if ctx.rank == 0:
         _recover(final)  # a newer complete checkpoint in .tmp must not be deleted as a leftover
         if tmp.exists():
@@ -76,22 +76,34 @@ def save(
     dist.barrier()
     if ctx.rank == 0:
         (tmp / COMPLETE).touch()
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
+        _swap_in(final)
     dist.barrier()
 
 
 COMPLETE = "COMPLETE"  # in <dir>.tmp: every rank finished writing it
 
 
+def _aside(final: Path) -> tuple[Path, Path]:
+    """Where a new `final` is written (`<dir>.tmp`) and where the previous one waits while it is swapped
+    in (`<dir>.old`)."""
+    return final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+
+
+def _swap_in(final: Path) -> None:
+    """`<dir>.tmp`, complete, becomes `final`; the previous `final` goes by way of `<dir>.old`, so that at
+    every moment one complete directory exists under one of the three names."""
+    tmp, old = _aside(final)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 def _recover(final: Path) -> None:
     """Finish a save that was killed while swapping directories (rank 0): the newest complete checkpoint
     becomes `final` again; a leftover `.old` goes."""
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    tmp, old = _aside(final)
     if not final.exists():
         if (tmp / COMPLETE).exists():
             tmp.rename(final)
@@ -144,7 +156,7 @@ def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: 
                 state[name[len(prefix):]] = tensor.to(dtype)
         # written aside, then renamed into place: a killed export leaves no half-written model at `path`
         final = Path(path)
-        tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        tmp, old = _aside(final)
         for leftover in (tmp, old):
             if leftover.exists():
                 shutil.rmtree(leftover)
@@ -152,11 +164,7 @@ def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: 
         config = copy.deepcopy(hf_model.config)
         config.dtype = dtype  # save_pretrained recorded the float32 master weights' dtype
         config.save_pretrained(str(tmp))
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
+        _swap_in(final)
     dist.barrier()
 
 

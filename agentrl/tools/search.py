@@ -136,8 +136,8 @@ class SearchTool:
             return "timeout", f"the search service did not answer within {self.timeout_s:g}s", None, True
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
             return "connection", f"cannot reach the search service at {self.url} ({type(e).__name__})", None, True
-        except httpx.HTTPError as e:  # e.g. a URL without http://: no retry can fix it
-            return "connection", f"cannot use the search service URL {self.url!r}: {e}", None, False
+        except httpx.HTTPError as e:  # any other transport failure (a protocol or decoding error): not retried
+            return "connection", f"the request to the search service at {self.url} failed ({type(e).__name__}: {e})", None, False
         if response.status_code >= 400:
             kind = f"http_{response.status_code}"
             detail = f"the search service answered HTTP {response.status_code}: {response.text[:200]}"
