@@ -149,6 +149,51 @@ def engine_counters() -> dict[str, float]:
     return sum_samples(REGISTRY.collect())
 
 
+GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+
+
+async def sample_gauges(gauges: dict[str, object], out: dict[str, list[float]], every_s: float = 0.025) -> None:
+    """Until cancelled, every `every_s` append each gauge's value, summed over its label values (engines), to
+    `out[name]`. Over a mode, the means of vLLM's running and waiting counts (GAUGES, set once per engine
+    step) say how full its decode batches were."""
+    while True:
+        for name, gauge in gauges.items():
+            out.setdefault(name, []).append(sum(s.value for m in gauge.collect() for s in m.samples))
+        await asyncio.sleep(every_s)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) so far of this process (the frontend: rollout loop, vLLM's output handler)
+    and of its child processes (the engine core)."""
+    import psutil
+
+    me = psutil.Process()
+    t = me.cpu_times()
+    children = 0.0
+    for child in me.children(recursive=True):
+        try:
+            c = child.cpu_times()
+            children += c.user + c.system
+        except psutil.NoSuchProcess:
+            pass
+    return t.user + t.system, children
+
+
+async def observed(coro, seconds_out: list[float], gauges: dict[str, list[float]]):
+    """Run `coro` while sampling vLLM's GAUGES into `gauges`; its wall seconds go to `seconds_out`."""
+    from prometheus_client import REGISTRY
+
+    found = {short: REGISTRY._names_to_collectors[name] for name, short in GAUGES.items()  # noqa: SLF001
+             if name in REGISTRY._names_to_collectors}  # noqa: SLF001 - reading one gauge, not a full collect()
+    sampler = asyncio.create_task(sample_gauges(found, gauges))
+    t0 = time.perf_counter()
+    try:
+        return await coro
+    finally:
+        seconds_out.append(time.perf_counter() - t0)
+        sampler.cancel()
+
+
 def step_stats(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     """What one mode cost the engine: steps, tokens per step, ms per step, preemptions, cached prompt share.
     Tells a mode that ran more steps from one whose steps ran slower."""
@@ -269,14 +314,21 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             engine.admission_interval_s = wave_ms / 1000
             for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
                 loop.run_until_complete(e.engine.reset_prefix_cache())
-            before = engine_counters()
-            t0 = time.perf_counter()
+            before, cpu_before = engine_counters(), cpu_seconds()
+            gauges: dict[str, list[float]] = {}
+            timing: list[float] = []
             if name == "plain":
-                generated, extra = loop.run_until_complete(run_plain(engine, prompts, [sum(x) for x in lengths])), {}
+                run = run_plain(engine, prompts, [sum(x) for x in lengths])
             else:
-                generated, extra = loop.run_until_complete(run_loop(engine, prompts, tok, args, name, lengths))
-            seconds = time.perf_counter() - t0
+                run = run_loop(engine, prompts, tok, args, name, lengths)
+            result = loop.run_until_complete(observed(run, timing, gauges))
+            generated, extra = (result, {}) if name == "plain" else result
+            seconds = timing[0]
             extra |= step_stats(before, engine_counters(), seconds)
+            cpu_after = cpu_seconds()
+            extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),
+                      "engine_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
+            extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
@@ -307,8 +359,9 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
     print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
-          "(tokens/s) | engine steps (each) | ms per step (each) | vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "(tokens/s) | engine steps (each) | ms per step (each) | running requests, mean (each) | frontend CPU share (each) "
+          "| vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     grouped = groups(rows)
     for key, runs in grouped.items():
         graphs, dist, mode = key
@@ -322,6 +375,7 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
         print(f"| {graphs} | {dist} | {mode} | {runs[0]['generated_tokens']} | {statistics.median(r['seconds'] for r in runs)} | "
               f"{statistics.median(rates):,.0f} | {', '.join(f'{x:,}' for x in rates)} | "
               f"{', '.join(str(r.get('steps', '-')) for r in runs)} | {', '.join(str(r.get('ms_per_step', '-')) for r in runs)} | "
+              f"{', '.join(str(r.get('mean_running', '-')) for r in runs)} | {', '.join(str(r.get('frontend_cpu_share', '-')) for r in runs)} | "
               f"{cells[0]} | {cells[1]} |")
     if args.json:
         with open(args.json, "w") as f:

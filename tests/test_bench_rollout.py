@@ -3,11 +3,12 @@ medians and per-repeat ratios (the GPU run itself is in BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from bench.bench_rollout import groups, schedule, step_stats, sum_samples, turn_lengths
+from bench.bench_rollout import groups, sample_gauges, schedule, step_stats, sum_samples, turn_lengths
 
 
 def test_turn_lengths_are_seeded_and_bounded() -> None:
@@ -51,3 +52,24 @@ def test_admission_settings_rotate_between_repeats() -> None:
     assert schedule(modes, [50.0, 200.0], 0) == [("plain", 0.0), ("async", 50.0), ("async", 200.0), ("turn_sync", 0.0)]
     assert schedule(modes, [50.0, 200.0], 1) == [("plain", 0.0), ("async", 200.0), ("async", 50.0), ("turn_sync", 0.0)]
     assert schedule(["async"], [0.0], 3) == [("async", 0.0)]
+
+
+def test_gauges_are_sampled_summed_over_engines_until_cancelled() -> None:
+    running = [3.0]
+
+    def collect():
+        return [_family(("vllm:num_requests_running", running[0]), ("vllm:num_requests_running", 1.0))]
+
+    async def go() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        task = asyncio.create_task(sample_gauges({"running": SimpleNamespace(collect=collect)}, out, every_s=0))
+        while len(out.get("running", [])) < 2:
+            await asyncio.sleep(0)
+        running[0] = 7.0
+        while out["running"][-1] != 8.0:
+            await asyncio.sleep(0)
+        task.cancel()
+        return out
+
+    samples = asyncio.run(go())["running"]
+    assert samples[:2] == [4.0, 4.0] and samples[-1] == 8.0 and set(samples) == {4.0, 8.0}
