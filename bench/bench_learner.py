@@ -79,21 +79,28 @@ def sync(setup: Setup) -> None:
         torch.cuda.synchronize()
 
 
-def measure_peak(setup: Setup) -> float:
-    """Dense matmul FLOP/s: bf16 8192^3 on GPU (fp32 512^3 on CPU, only to exercise the code)."""
+def measure_peak(setup: Setup) -> tuple[float, float]:
+    """Dense matmul FLOP/s: bf16 8192^3 on GPU (fp32 512^3 on CPU, only to exercise the code), over random
+    data. -> (burst: the first 10 matmuls after a warm-up, sustained: at least a second). An H200 can run a
+    burst faster than it sustains, when its clocks come down under the power limit; MFU uses the sustained."""
     n, dtype = (512, torch.float32) if setup.device.type == "cpu" else (8192, torch.bfloat16)
     a = torch.randn(n, n, device=setup.device, dtype=dtype)
     b = torch.randn(n, n, device=setup.device, dtype=dtype)
     for _ in range(3):
         a @ b
     sync(setup)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(setup)
+    burst = 10 * 2 * n**3 / (time.perf_counter() - start)
     count, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < 1.0 or count < 10:  # at least a second: clocks settle
         for _ in range(10):
             a @ b
         count += 10
         sync(setup)
-    return count * 2 * n**3 / elapsed
+    return burst, count * 2 * n**3 / elapsed
 
 
 def trajectory(rng: random.Random, vocab: int, prompt_len: int, response_len: int) -> Trajectory:
@@ -352,7 +359,7 @@ def main() -> None:
 
     ctx = init_distributed("auto")
     setup = Setup(tiny, ctx.world_size, ctx.rank, ctx.device)
-    setup.peak_flops = measure_peak(setup)
+    burst, setup.peak_flops = measure_peak(setup)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -368,7 +375,8 @@ def main() -> None:
         f"- model: {'tiny Qwen2' if tiny else 'Qwen2.5-1.5B shape'}, {setup.n_params:,} parameters (tied embeddings "
         f"counted once), vocabulary {(TINY if tiny else QWEN25_15B)['vocab_size']:,}, random weights",
         f"- peak: {'bf16 8192^3' if ctx.device.type == 'cuda' else 'fp32 512^3'} matmul measured here: "
-        f"{setup.peak_flops / 1e12:,.4g} TFLOP/s; MFU = 6 * params * tokens per GPU / step time / peak",
+        f"{setup.peak_flops / 1e12:,.4g} TFLOP/s sustained over a second, {burst / 1e12:,.4g} in a burst of 10; "
+        "MFU = 6 * params * tokens per GPU / step time / sustained peak",
         f"- packed attention: {packed_backend(ctx.device)}; logprob chunk {args.chunk} tokens; FSDP2, fp32 master "
         f"weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
         "one optimizer step per timed step",

@@ -162,6 +162,34 @@ async def sample_gauges(gauges: dict[str, object], out: dict[str, list[float]], 
         await asyncio.sleep(every_s)
 
 
+class FrontendLag:
+    """How far vLLM's frontend (the output handler on this process's event loop) runs behind its engine core:
+    for each batch of engine outputs it processes, the time since the engine core stamped the batch (both
+    CLOCK_MONOTONIC, one machine). A lag delays every turn's end, and so the next turn's start, in the loops;
+    plain generation only waits for it once. Wraps each engine's `output_processor.process_outputs`."""
+
+    def __init__(self, engines):
+        self.lags_s: list[float] = []
+        for e in engines:
+            processor = e.engine.output_processor
+            original = processor.process_outputs
+
+            def process_outputs(outputs, timestamp=None, *rest, _original=original, **kw):
+                if timestamp:
+                    self.lags_s.append(time.monotonic() - timestamp)
+                return _original(outputs, timestamp, *rest, **kw)
+
+            processor.process_outputs = process_outputs
+
+    def since(self, start: int) -> dict[str, float]:
+        """Mean, p90 and max lag (ms) of the batches processed after the first `start`."""
+        lags = sorted(self.lags_s[start:])
+        if not lags:
+            return {}
+        return {"lag_ms_mean": round(1000 * statistics.fmean(lags), 1), "lag_ms_p90": round(1000 * lags[int(0.9 * (len(lags) - 1))], 1),
+                "lag_ms_max": round(1000 * lags[-1], 1)}
+
+
 def cpu_seconds() -> tuple[float, float]:
     """CPU seconds (user + system) so far of this process (the frontend: rollout loop, vLLM's output handler)
     and of its child processes (the engine core)."""
@@ -231,7 +259,12 @@ async def run_loop(engine, prompts, tok, args, mode: str, lengths: list[list[int
     trajectories = [t for g in groups for t in g.trajectories]
     generated = sum(sum(s.token_ids.__len__() for s in t.segments if s.source == "model") for t in trajectories)
     turns = sum(t.num_turns for t in trajectories) / len(trajectories)
-    return generated, {"turns_mean": turns}
+    # the trajectory that took longest: how its time split between the engine (generate_s, which includes the
+    # admission wait) and its tool calls
+    slowest = max(trajectories, key=lambda t: t.timings["generate_s"] + t.timings["tool_s"])
+    return generated, {"turns_mean": turns, "slowest_generate_s": round(slowest.timings["generate_s"], 2),
+                       "slowest_tool_s": round(slowest.timings["tool_s"], 2),
+                       "slowest_tokens": sum(len(s.token_ids) for s in slowest.segments if s.source == "model")}
 
 
 def main() -> None:
@@ -305,6 +338,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
+    lag = FrontendLag(engine.engines)
     rows = []
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
@@ -314,7 +348,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             engine.admission_interval_s = wave_ms / 1000
             for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
                 loop.run_until_complete(e.engine.reset_prefix_cache())
-            before, cpu_before = engine_counters(), cpu_seconds()
+            before, cpu_before, lag_start = engine_counters(), cpu_seconds(), len(lag.lags_s)
             gauges: dict[str, list[float]] = {}
             timing: list[float] = []
             if name == "plain":
@@ -329,6 +363,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),
                       "engine_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
+            extra |= lag.since(lag_start)
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
@@ -353,6 +388,10 @@ def groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
     return out
 
 
+def lag_cell(row: dict) -> str:
+    return f"{row.get('lag_ms_mean', '-')} / {row.get('lag_ms_p90', '-')}"
+
+
 def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]) -> None:
     print(f"\nmodel {args.shape} (random weights, vocab 151936), {args.instances} engine(s), {args.trajectories} trajectories x {args.turns} turns, "
           f"mean turn length {args.turn_tokens} tokens, tool latency {args.tool_ms:g} ms, engine start (s) {start_s}")
@@ -360,8 +399,8 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
         print(f"- {dist}: {DISTS[dist]}")
     print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
           "(tokens/s) | engine steps (each) | ms per step (each) | running requests, mean (each) | frontend CPU share (each) "
-          "| vs plain | vs turn_sync |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| frontend lag ms, mean / p90 (each) | vs plain | vs turn_sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     grouped = groups(rows)
     for key, runs in grouped.items():
         graphs, dist, mode = key
@@ -376,6 +415,7 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
               f"{statistics.median(rates):,.0f} | {', '.join(f'{x:,}' for x in rates)} | "
               f"{', '.join(str(r.get('steps', '-')) for r in runs)} | {', '.join(str(r.get('ms_per_step', '-')) for r in runs)} | "
               f"{', '.join(str(r.get('mean_running', '-')) for r in runs)} | {', '.join(str(r.get('frontend_cpu_share', '-')) for r in runs)} | "
+              f"{', '.join(lag_cell(r) for r in runs)} | "
               f"{cells[0]} | {cells[1]} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -4,11 +4,20 @@ medians and per-repeat ratios (the GPU run itself is in BENCHMARKS.md)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from bench.bench_rollout import groups, sample_gauges, schedule, step_stats, sum_samples, turn_lengths
+from bench.bench_rollout import (
+    FrontendLag,
+    groups,
+    sample_gauges,
+    schedule,
+    step_stats,
+    sum_samples,
+    turn_lengths,
+)
 
 
 def test_turn_lengths_are_seeded_and_bounded() -> None:
@@ -73,3 +82,19 @@ def test_gauges_are_sampled_summed_over_engines_until_cancelled() -> None:
 
     samples = asyncio.run(go())["running"]
     assert samples[:2] == [4.0, 4.0] and samples[-1] == 8.0 and set(samples) == {4.0, 8.0}
+
+
+def test_frontend_lag_is_measured_from_the_engine_stamp_and_passes_outputs_through() -> None:
+    calls = []
+    processor = SimpleNamespace(process_outputs=lambda outputs, timestamp=None, stats=None: calls.append((outputs, stats)) or "done")
+    lag = FrontendLag([SimpleNamespace(engine=SimpleNamespace(output_processor=processor))])
+    now = time.monotonic()
+    assert processor.process_outputs(["a"], now - 10.0, "s") == "done"
+    processor.process_outputs(["b"], None)  # unstamped batches are not counted
+    start = len(lag.lags_s)
+    for seconds in (2.0, 1.0, 3.0):
+        processor.process_outputs(["c"], time.monotonic() - seconds)
+    assert calls[:2] == [(["a"], "s"), (["b"], None)] and len(lag.lags_s) == 4 and lag.lags_s[0] >= 10.0
+    got = lag.since(start)
+    assert 2000 <= got["lag_ms_mean"] < 2500 and 2000 <= got["lag_ms_p90"] < 2500 and 3000 <= got["lag_ms_max"] < 3500
+    assert lag.since(len(lag.lags_s)) == {}
