@@ -41,12 +41,11 @@ from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
 QWEN25_15B = SHAPES["qwen2.5-1.5b"] | dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                                           rms_norm_eps=1e-6)
 TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
-# name: (torch.compile, activation checkpointing, keep logits for backward, FSDP unit, CUDA graphs)
-VARIANTS = {"eager": (False, False, False, "block", False), "compiled": (True, False, False, "block", False),
-            "compiled_keep": (True, False, True, "block", False), "compiled_ac": (True, True, False, "block", False),
-            "eager_ac": (False, True, False, "block", False),
-            "compiled_root": (True, False, True, "model", False),  # one FSDP unit: no per-block FSDP hooks
-            "graphs": (True, False, True, "model", True)}  # and the blocks replayed as CUDA graphs
+# name: (torch.compile, activation checkpointing, keep logits for backward, FSDP unit)
+VARIANTS = {"eager": (False, False, False, "block"), "compiled": (True, False, False, "block"),
+            "compiled_keep": (True, False, True, "block"), "compiled_ac": (True, True, False, "block"),
+            "eager_ac": (False, True, False, "block"),
+            "compiled_root": (True, False, True, "model")}  # one FSDP unit: no per-block FSDP hooks
 
 
 @dataclass
@@ -167,11 +166,11 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 
 
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
-    compiled, ac, keep, unit, graphs = VARIANTS[name]
+    compiled, ac, keep, unit = VARIANTS[name]
     config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep, fsdp_unit=unit,
-                           cuda_graphs=graphs, reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
+                           reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
-    warmup = 3 if graphs else 2 if compiled else 1  # graphs: warm-up, then recording, then replays
+    warmup = 2 if compiled else 1
     rl_rates: dict[int, float] = {}  # budget -> useful tokens/s
     workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
                   setup.row_len, False)]

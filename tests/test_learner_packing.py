@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.learner.packing import pack, response_layout, static_shape
+from agentrl.learner.packing import pack, response_layout
 from agentrl.types import Prompt, Segment, StopReason, Trajectory
 from tests.learner_util import trajectories
 
@@ -111,23 +111,3 @@ def test_row_scale_masks_whole_rows() -> None:
 def test_pack_rejects_empty_prompt() -> None:
     with pytest.raises(ValueError, match="no prompt tokens"):
         pack([_traj([], [Segment("model", [1], [-1.0])])], 10)
-
-
-def test_static_shape_pads_to_the_budget() -> None:
-    [batch] = pack(trajectories(6, seed=2), 64)
-    for mb in batch.micro_batches:
-        mb.advantages_T = torch.ones(mb.num_tokens)
-        padded = static_shape(mb, 64)
-        n, pad = mb.num_tokens, padded.num_tokens - mb.num_tokens
-        assert padded.num_tokens == 64 and padded.max_seqlen == 64
-        cu = padded.cu_seqlens_S.tolist()
-        assert len(cu) & (len(cu) - 1) == 0  # a power of two
-        assert cu[: len(mb.rows) + 1] == mb.cu_seqlens_S.tolist() and set(cu[len(mb.rows) + 1:]) <= {64}
-        assert torch.equal(padded.input_ids_T[:n], mb.input_ids_T)
-        assert padded.loss_mask_T[n:].sum() == 0 and padded.advantages_T[n:].sum() == 0
-        assert (padded.response_index_T[n:] == -1).all()
-        assert padded.position_ids_T[n:].tolist() == list(range(pad))
-        assert padded.rows == mb.rows + ([-1] if pad else [])
-        assert (padded.seq_index_T[n:] == len(mb.rows)).all()
-    long = static_shape(batch.micro_batches[0], 20)  # longer than the budget: the next multiple of it
-    assert long.num_tokens % 20 == 0 and long.num_tokens - batch.micro_batches[0].num_tokens < 20

@@ -276,28 +276,3 @@ def test_lr_schedule() -> None:
     assert lr_factor(2, cos) == pytest.approx(1.0)
     assert lr_factor(7, cos) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_factor(12, cos) == pytest.approx(0.1) and lr_factor(50, cos) == pytest.approx(0.1)
-
-
-def test_cuda_graph_blocks_give_the_same_step() -> None:
-    """cuda_graphs runs every block through one compiled function on views of its weights, over micro-batches
-    padded to a multiple of the budget (packing.static_shape): logprobs, the loss and the updated weights
-    must be those of the plain step. On the CPU torch.compile runs the same function without graphs."""
-    algo = AlgoConfig(loss_agg="seq_mean_token_mean", **FULL_ALGO)
-    trajs = trajectories(10, seed=4)
-    plain = PolicyWorker(_config(), algo, model=tiny_lm(seed=3))
-    graphs = PolicyWorker(_config(compile=True, cuda_graphs=True, fsdp_unit="model"), algo, model=tiny_lm(seed=3))
-    [batch] = pack(trajs, plain.config.token_budget)
-    assert any(mb.num_tokens % 40 for mb in batch.micro_batches)  # some micro-batches do get padded
-    old = plain.compute_logprobs(batch)
-    assert torch.allclose(graphs.compute_logprobs(batch), old, atol=1e-5)
-    adv = _advantages(trajs, algo)
-    for name, value in (("advantages", adv), ("old_logprobs", old - 0.05), ("ref_logprobs", old + 0.05)):
-        batch.set(name, value)
-    for _ in range(2):
-        m_plain, m_graphs = plain.train_step(batch), graphs.train_step(batch)
-        assert m_graphs["actor/loss"] == pytest.approx(m_plain["actor/loss"], rel=1e-5)
-    assert m_graphs["perf/actor_tokens"] == m_plain["perf/actor_tokens"] == batch.num_tokens  # padding not counted
-    after_plain, after_graphs = dict(plain.state_for_sync()), dict(graphs.state_for_sync())
-    assert after_plain.keys() == after_graphs.keys()
-    for name, value in after_plain.items():
-        assert torch.allclose(after_graphs[name], value, atol=1e-6), name

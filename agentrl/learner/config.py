@@ -57,18 +57,8 @@ class LearnerConfig(StrictModel):
         "model (gathered at once, no per-block FSDP hooks: one GPU, or 16-bit weights that fit on each GPU); "
         "auto: model on one rank when that costs at most 15% of the device's memory (worker.auto_unit), else block"
     )
-    cuda_graphs: bool = Field(
-        False, description="replay each compiled block as a CUDA graph (torch.compile mode reduce-overhead); "
-        "micro-batches are padded to a multiple of token_budget so their shapes repeat; needs compile"
-    )
     reshard_after_forward: bool = Field(
         True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
     )
     seed: int = 0
     optim: OptimConfig = Field(default_factory=OptimConfig)
-
-    @model_validator(mode="after")
-    def _graphs_need_compile(self) -> LearnerConfig:
-        if self.cuda_graphs and not self.compile:
-            raise ValueError("learner.cuda_graphs needs learner.compile=true (the graphs are torch.compile's)")
-        return self

@@ -6,22 +6,20 @@ plain CPU run goes through the same code as a multi-GPU one. `shard` applies, pe
 `fully_shard`; and `fully_shard` once more on the root, which holds the embeddings, the final norm and
 the output head. With `unit="model"` the root is the only FSDP unit: all weights are gathered at once, and
 the blocks (still compiled one by one) run without FSDP's per-block hooks, for one GPU or models whose
-16-bit weights fit on each GPU. `graphs` replays the blocks as CUDA graphs instead (`graph_blocks`).
-Gradients are summed across ranks, not averaged: the losses
+16-bit weights fit on each GPU. Gradients are summed across ranks, not averaged: the losses
 are already normalised by whole-batch counts (agentrl/algo/loss.py). worker.py is the only caller.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -89,15 +87,9 @@ def shard(
     activation_checkpointing: bool,
     compiled: bool,
     unit: Literal["block", "model"] = "block",
-    graphs: bool = False,
 ) -> nn.Module:
     """Wrap each block (checkpoint -> compile -> fully_shard unless `unit="model"`), then the root.
     Returns the sharded root."""
-    if graphs:
-        if activation_checkpointing or unit != "model" or not compiled:
-            raise ValueError("CUDA graphs need compiled=True, unit='model' and no activation checkpointing")
-        graph_blocks(blocks)
-        compiled = False  # the blocks' forward is the graphed function now
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for parent, attr in blocks:
         block = getattr(parent, attr)
@@ -115,32 +107,6 @@ def shard(
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.8; needed by gloo, which
                 module.set_force_sum_reduction_for_comms(True)  # has no premultiplied sum (NCCL has)
     return root
-
-
-def graph_blocks(blocks: list[tuple[nn.Module, str]]) -> None:
-    """Every block runs one compiled function in torch.compile's "reduce-overhead" mode (CUDA graphs, static
-    shapes: micro-batches padded by packing.static_shape), with the block's weights passed in as inputs.
-
-    Why not compile each block with that mode: the blocks share one compiled function, and CUDA graph trees
-    take nn.Parameters as static inputs, so each block's call (other weights) would re-record the graph.
-    Here the function runs a weightless copy of a block (`torch.func.functional_call`) on views of the
-    weights, which are ordinary inputs: each replay copies them into the graph's input buffers (tens of MB
-    per block, microseconds on a GPU), and gradients flow through the views to the parameters. The graph
-    tree records one graph per call position (block and pass) on the first step and replays them after."""
-    template = copy.deepcopy(getattr(*blocks[0])).to("meta")  # the structure only; never holds weights
-
-    def run(tensors: dict[str, Tensor], args: tuple, kwargs: dict) -> Any:
-        return torch.func.functional_call(template, tensors, args, kwargs)
-
-    graphed = torch.compile(run, mode="reduce-overhead", dynamic=False)
-    for parent, attr in blocks:
-        block = getattr(parent, attr)
-
-        def forward(*args: Any, _block: nn.Module = block, **kwargs: Any) -> Any:
-            tensors = {n: p.view_as(p) for n, p in _block.named_parameters()}
-            return graphed(tensors | dict(_block.named_buffers()), args, kwargs)
-
-        block.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks and names unchanged
 
 
 def reshard_all(root: nn.Module) -> None:

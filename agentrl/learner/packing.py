@@ -174,26 +174,6 @@ def pack(
     return batches
 
 
-def static_shape(mb: MicroBatch, token_budget: int) -> MicroBatch:
-    """`mb` with the shapes CUDA graphs can replay (LearnerConfig.cuda_graphs): padded with one filler
-    sequence (no loss, its own attention) to the next multiple of `token_budget` tokens, `cu_seqlens` padded
-    with empty sequences to a power-of-two length, and `max_seqlen` set to the padded length, its bound.
-    Every micro-batch of a budget then has one of a few shapes; a new shape would record a new graph."""
-    tokens = -(-mb.num_tokens // token_budget) * token_budget
-    pad, filler = tokens - mb.num_tokens, len(mb.rows)
-    fill = {"position_ids_T": torch.arange(pad), "seq_index_T": torch.full((pad,), filler),
-            "response_index_T": torch.full((pad,), -1)}
-    padded = {}
-    for f in dataclasses.fields(mb):
-        v = getattr(mb, f.name)
-        if f.name.endswith("_T") and v is not None:
-            padded[f.name] = torch.cat([v, fill.get(f.name, torch.zeros(pad, dtype=v.dtype)).to(v.dtype)])
-    cu = mb.cu_seqlens_S.tolist() + ([tokens] if pad else [])
-    cu += [tokens] * (max(2, 1 << (len(cu) - 1).bit_length()) - len(cu))
-    return dataclasses.replace(mb, **padded, cu_seqlens_S=torch.tensor(cu, dtype=torch.int32), max_seqlen=tokens,
-                               rows=mb.rows + ([-1] if pad else []))
-
-
 def _balance(lengths: list[int], world_size: int) -> list[list[int]]:
     """Longest-processing-time assignment of rows to ranks by token count (deterministic)."""
     heap = [(0, r) for r in range(world_size)]

@@ -29,7 +29,7 @@ from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.fsdp import DistContext, decoder_blocks, init_distributed, reshard_all, shard
 from agentrl.learner.optim import build_optimizer, build_scheduler
-from agentrl.learner.packing import Batch, MicroBatch, static_shape
+from agentrl.learner.packing import Batch, MicroBatch
 
 
 def load_causal_lm(config: LearnerConfig, model: nn.Module | None = None) -> nn.Module:
@@ -120,7 +120,6 @@ class Worker:
             activation_checkpointing=config.activation_checkpointing and trainable,
             compiled=config.compile,
             unit=self.fsdp_unit,
-            graphs=config.cuda_graphs,
         )
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
@@ -140,28 +139,13 @@ class Worker:
             raise ValueError(f"batch packed for rank {batch.rank}/{batch.world_size}, "
                              f"this is rank {self.ctx.rank}/{self.ctx.world_size}")
 
-    def _on_device(self, batch: Batch) -> list[MicroBatch]:
-        """The batch's micro-batches on this rank's device, all copies queued up front; under CUDA graphs
-        padded to their static shapes (packing.static_shape)."""
-        if not self.config.cuda_graphs:
-            return [mb.to(self.ctx.device) for mb in batch.micro_batches]
-        return [static_shape(mb, self.config.token_budget).to(self.ctx.device) for mb in batch.micro_batches]
-
-    def _graph_step(self) -> None:
-        """Under CUDA graphs, tell torch a micro-batch starts: the previous one's graph outputs are consumed
-        (its backward done), so the graphs may overwrite their memory."""
-        if self.config.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-
     @torch.no_grad()
     def _infer(self, batch: Batch, fn: Callable[[MicroBatch], Tensor]) -> Tensor:
         """Per-token outputs of `fn` over this rank's micro-batches -> the whole batch's response layout
         [B, R] on CPU, identical on every rank."""
         self._check(batch)
-        outs = []
-        for mb, original in zip(self._on_device(batch), batch.micro_batches, strict=True):
-            self._graph_step()
-            outs.append(fn(mb)[:original.num_tokens])  # padding (static shapes) dropped
+        micro_batches = [mb.to(self.ctx.device) for mb in batch.micro_batches]  # all copies queued up front
+        outs = [fn(mb) for mb in micro_batches]
         result = batch.gather(outs)
         reshard_all(self.module)
         if self.ctx.world_size > 1:
@@ -177,7 +161,7 @@ class Worker:
         self._check(batch)
         start = time.perf_counter()
         sums: dict[str, Tensor] = {}
-        micro_batches = self._on_device(batch)
+        micro_batches = [mb.to(self.ctx.device) for mb in batch.micro_batches]  # all copies queued up front
         last = len(micro_batches) - 1
         # With reshard_after_forward off, weights also stay gathered between the micro-batches of a step
         # (no all-gather per micro-batch); the last backward frees them as usual.
@@ -186,7 +170,6 @@ class Worker:
             self.module.set_requires_gradient_sync(i == last)
             if keep_gathered:
                 self.module.set_reshard_after_backward(i == last)
-            self._graph_step()
             with record_function("agentrl.forward"):
                 loss, stats = micro_loss(mb)
             with record_function("agentrl.backward"):
