@@ -33,6 +33,7 @@ import zlib
 from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
+from agentrl.engine.process import ProcessEngine
 from agentrl.rollout import RolloutConfig, rollout
 from agentrl.task import Budgets
 from agentrl.tools.formats import Calls, ToolFormat
@@ -98,12 +99,15 @@ class FixedTurns:
 
 
 class Instances:
-    """Several VLLMEngines sharing the GPU, each with its own engine-core process: a trajectory's turns go to
+    """Several engines sharing the GPU, each with its own engine-core process: a trajectory's turns go to
     one of them (by its session key, for the prefix cache). An experiment: vLLM's engine core is one
-    Python process whose per-sequence work bounds a decode step (BENCHMARKS.md, rollout run 5)."""
+    Python process whose per-sequence work bounds a decode step (BENCHMARKS.md, rollout run 5), and its
+    frontend another (run 8). `--engine-processes` puts each engine, frontend included, in a process of its
+    own (engine/process.py); otherwise all frontends share this process's event loop."""
 
     def __init__(self, engines):
         self.engines = engines
+        self.in_process = not any(isinstance(e, ProcessEngine) for e in engines)
 
     def pick(self, key: str):
         return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
@@ -111,14 +115,15 @@ class Instances:
     async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
         return await self.pick(session or "").generate(prompt_ids, sampling, session=session)
 
-    @property
-    def admission_interval_s(self) -> float:
-        return self.engines[0].admission_interval_s
-
-    @admission_interval_s.setter
-    def admission_interval_s(self, value: float) -> None:
+    def set_admission(self, seconds: float) -> None:
+        if not self.in_process:  # fixed when each process made its engine
+            return
         for e in self.engines:
-            e.admission_interval_s = value
+            e.admission_interval_s = seconds
+
+    async def reset_prefix_cache(self) -> None:
+        for e in self.engines:
+            await (e.reset_prefix_cache() if self.in_process else e.call("reset_prefix_cache"))
 
     async def aclose(self) -> None:
         for e in self.engines:
@@ -233,11 +238,15 @@ def step_stats(before: dict[str, float], after: dict[str, float], seconds: float
 
 
 async def run_plain(engine: Instances, prompts, tokens: list[int]) -> int:
-    """Each prompt generates its trajectory's total of model tokens in one request."""
+    """Each prompt generates its trajectory's total of model tokens in one request: vLLM's own `generate`
+    with EOS ignored where the engines are in this process, VLLMEngine.generate (the same request options as
+    the loops') where they are in processes of their own."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     async def one(i, p):
+        if not engine.in_process:
+            return len((await engine.generate(list(p.token_ids), Sampling(max_tokens=tokens[i]), session=f"{p.id}/0")).token_ids)
         params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
@@ -287,6 +296,9 @@ def main() -> None:
     ap.add_argument("--modes", default="plain,async,turn_sync", help="comma list: which of the three loops run")
     ap.add_argument("--instances", type=int, default=1,
                     help="engines sharing the GPU (each its own engine-core process), trajectories routed by session")
+    ap.add_argument("--engine-processes", action="store_true",
+                    help="each engine in a process of its own (engine/process.py), its frontend off this event loop; "
+                         "one --admission-ms value, no engine counters")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -296,6 +308,8 @@ def main() -> None:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; expected some of plain, async, turn_sync")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.engine_processes and "," in args.admission_ms:
+        raise SystemExit("--engine-processes: give one --admission-ms value (each process fixes it when it starts)")
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
     modes = args.cudagraph_modes.split(",")
@@ -307,8 +321,8 @@ def main() -> None:
         for mode in modes:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "rows.json"
-                flags = [x for k, v in vars(args).items() if k not in ("cudagraph_modes", "json")
-                         for x in (f"--{k.replace('_', '-')}", str(v))]
+                flags = [x for k, v in vars(args).items() if k not in ("cudagraph_modes", "json") and v is not False
+                         for x in ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v)))]
                 subprocess.run([sys.executable, __file__, *flags, "--cudagraph-modes", mode, "--json", str(out)],
                                check=True)
                 done = json.loads(out.read_text())
@@ -333,22 +347,26 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
     t0 = time.perf_counter()
     kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
-    engine = Instances([VLLMEngine(args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384, **kwargs)
-                        for _ in range(args.instances)])  # one after another: each sizes its cache from free memory
+    kwargs |= dict(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384)
+    if args.engine_processes:
+        kwargs["admission_interval_ms"] = float(args.admission_ms)
+    # one after another: each sizes its cache from free memory
+    engine = Instances([ProcessEngine(VLLMEngine, kwargs) if args.engine_processes else VLLMEngine(**kwargs)
+                        for _ in range(args.instances)])
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
-    lag = FrontendLag(engine.engines)
+    lag = FrontendLag(engine.engines) if engine.in_process else None
     rows = []
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
         waves = [float(x) for x in args.admission_ms.split(",")]
         modes = args.modes.split(",")
         for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
-            engine.admission_interval_s = wave_ms / 1000
-            for e in engine.engines:  # no mode starts with the prompts an earlier mode left in the prefix cache
-                loop.run_until_complete(e.engine.reset_prefix_cache())
-            before, cpu_before, lag_start = engine_counters(), cpu_seconds(), len(lag.lags_s)
+            engine.set_admission(wave_ms / 1000)
+            # no mode starts with the prompts an earlier mode left in the prefix cache
+            loop.run_until_complete(engine.reset_prefix_cache())
+            before, cpu_before, lag_start = engine_counters(), cpu_seconds(), len(lag.lags_s) if lag else 0
             gauges: dict[str, list[float]] = {}
             timing: list[float] = []
             if name == "plain":
@@ -358,12 +376,13 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             result = loop.run_until_complete(observed(run, timing, gauges))
             generated, extra = (result, {}) if name == "plain" else result
             seconds = timing[0]
-            extra |= step_stats(before, engine_counters(), seconds)
+            if engine.in_process:  # vLLM's metrics live where its frontend does
+                extra |= step_stats(before, engine_counters(), seconds)
             cpu_after = cpu_seconds()
             extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),
                       "engine_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
-            extra |= lag.since(lag_start)
+            extra |= lag.since(lag_start) if lag else {}
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})

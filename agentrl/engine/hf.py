@@ -55,6 +55,14 @@ class HFEngine:
         self._counter = itertools.count()
         self.stats = {"batches": 0, "forward_steps": 0, "requests": 0}
 
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: str = "cpu", max_batch: int = 64, seed: int = 0) -> HFEngine:
+        """An engine over the model and tokenizer saved in `path` (what engine/process.py's child makes)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path).to(device)
+        return cls(model, AutoTokenizer.from_pretrained(path), max_batch=max_batch, seed=seed)
+
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         if not prompt_ids:
             raise ValueError("generate() needs at least one prompt token")

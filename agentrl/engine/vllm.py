@@ -143,11 +143,14 @@ class VLLMEngine:
             payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})
             await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
             count += len(bucket)
-        # Cached KV was computed with the old weights. vLLM refuses (returns False) while requests run: their
-        # KV would then outlive the update, so that is an error, not something to go on from.
+        await self.reset_prefix_cache()  # cached KV was computed with the old weights
+        return count
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix. vLLM refuses (returns False) while requests run: their KV would outlive
+        the reset, so that is an error, not something to go on from."""
         if await self.engine.reset_prefix_cache() is False:
             raise RuntimeError(f"vLLM kept its prefix cache because requests are still running: {BETWEEN_ROLLOUTS}")
-        return count
 
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level=level)

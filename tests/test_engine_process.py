@@ -1,0 +1,194 @@
+"""engine/process.py: an engine in a child process answers exactly as the same engine in this one, weights
+update there, errors and cancellations cross, and a dead or failed child is reported, never waited on."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from agentrl.engine import Sampling
+from agentrl.engine.hf import HFEngine
+from agentrl.engine.process import ProcessEngine
+
+FACTORY = "agentrl.engine.hf:HFEngine.from_pretrained"
+PROMPTS = ["Compute 2 + 3", "A conversation between User and Assistant.", "who wrote hamlet", "x"]
+
+
+def _save_model(directory, tokenizer, seed: int) -> str:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                      eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    return _save_model(root / "a", tiny_tokenizer, 0), _save_model(root / "b", tiny_tokenizer, 1)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()  # a ProcessEngine's streams belong to the loop that first used it
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def child(models, loop):
+    engine = ProcessEngine(FACTORY, {"path": models[0], "max_batch": 1})
+    yield engine
+    loop.run_until_complete(engine.aclose())
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _answers(engine, tokenizer, sampling):
+    return await asyncio.gather(*(engine.generate(_ids(tokenizer, p), sampling, session=str(i))
+                                  for i, p in enumerate(PROMPTS)))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_tokens=12, temperature=0), Sampling(max_tokens=12, seed=7)])
+def test_the_child_answers_as_the_same_engine_here(models, child, loop, tiny_tokenizer, sampling) -> None:
+    here = HFEngine.from_pretrained(models[0], max_batch=1)
+    expected = loop.run_until_complete(_answers(here, tiny_tokenizer, sampling))
+    got = loop.run_until_complete(_answers(child, tiny_tokenizer, sampling))  # four requests in flight at once
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in got] == [c.logprobs for c in expected]  # pickled floats: bit for bit
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
+    assert child.max_context_tokens == here.max_context_tokens == 512
+
+
+def test_errors_in_the_child_are_raised_here_with_its_traceback(child, loop) -> None:
+    with pytest.raises(ValueError, match="at least one prompt token") as info:
+        loop.run_until_complete(child.generate([], Sampling(max_tokens=4)))
+    assert any("raised in the engine process" in note and "hf.py" in note for note in info.value.__notes__)
+    with pytest.raises(AttributeError, match="HFEngine has no method 'nope'"):
+        loop.run_until_complete(child.call("nope"))
+    with pytest.raises(AttributeError, match="no method '_serve'"):  # private methods are not callable from here
+        loop.run_until_complete(child.call("_serve"))
+    with pytest.raises(KeyError, match="no parameter 'not.a.weight'"):
+        loop.run_until_complete(child.update_weights([("not.a.weight", torch.zeros(1))]))
+    assert loop.run_until_complete(child.generate([1, 2], Sampling(max_tokens=3, temperature=0))).token_ids  # still serving
+
+
+class ProbeEngine:
+    """Made in the child by the tests below: requests wait until cancelled, and it counts them."""
+
+    max_context_tokens = 99
+
+    def __init__(self) -> None:
+        self.started = self.cancelled = 0
+
+    async def generate(self, prompt_ids, sampling, *, session=None):
+        self.started += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def counts(self) -> tuple[int, int]:
+        return self.started, self.cancelled
+
+    def unpicklable(self):
+        return lambda: None
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _until(engine, counts: tuple[int, int]) -> tuple[int, int]:
+    """Ask the child for its counts until they are `counts` (a bound, not a timing: fails after 30 s)."""
+    deadline = time.monotonic() + 30
+    while (got := await engine.call("counts")) != counts:
+        assert got[0] <= counts[0] and got[1] <= counts[1] and time.monotonic() < deadline, got
+    return got
+
+
+def test_a_cancelled_call_is_cancelled_in_the_child(loop) -> None:
+    engine = ProcessEngine(ProbeEngine)
+    until = functools.partial(_until, engine)
+
+    async def go():
+        waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+        await until((1, 0))
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return await until((1, 1))
+
+    try:
+        assert engine.max_context_tokens == 99
+        assert loop.run_until_complete(go()) == (1, 1)
+        with pytest.raises(AttributeError, match="Can't pickle") as info:  # an answer that cannot cross
+            loop.run_until_complete(engine.call("unpicklable"))
+        assert "raised in the engine process" in info.value.__notes__[0]
+        assert engine._pending == {}
+    finally:
+        loop.run_until_complete(engine.aclose())
+    assert engine.process.exitcode == 0
+
+
+def test_weights_update_in_the_child(models, loop, tiny_tokenizer) -> None:
+    engine = ProcessEngine(FACTORY, {"path": models[0], "max_batch": 1})
+    greedy = Sampling(max_tokens=12, temperature=0)
+    try:
+        before = loop.run_until_complete(_answers(engine, tiny_tokenizer, greedy))
+        b = HFEngine.from_pretrained(models[1], max_batch=1)
+        loop.run_until_complete(engine.update_weights(b.model.named_parameters()))
+        after = loop.run_until_complete(_answers(engine, tiny_tokenizer, greedy))
+        expected = loop.run_until_complete(_answers(b, tiny_tokenizer, greedy))
+    finally:
+        loop.run_until_complete(engine.aclose())
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in after] == [c.logprobs for c in expected]
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    assert engine.process.exitcode == 0 and not os.path.exists(engine._dir)
+
+
+def test_a_dead_child_fails_every_call_with_its_exit_code(loop) -> None:
+    engine = ProcessEngine(ProbeEngine)
+
+    async def go():
+        pending = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+        await _until(engine, (1, 0))
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"engine process exited \(exit code -9\)"):
+            await pending
+        with pytest.raises(RuntimeError, match="exit code -9"):
+            await engine.generate([1], Sampling(max_tokens=1))
+
+    try:
+        loop.run_until_complete(go())
+    finally:
+        loop.run_until_complete(engine.aclose())
+    assert not os.path.exists(engine._dir)
+
+
+def test_a_child_that_cannot_make_its_engine_says_why(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="could not make agentrl.engine.hf:HFEngine.from_pretrained") as info:
+        ProcessEngine(FACTORY, {"path": str(tmp_path / "missing")})
+    assert isinstance(info.value.__cause__, OSError) and "missing" in str(info.value.__cause__)
+    with pytest.raises(RuntimeError, match="could not make"):
+        ProcessEngine(FACTORY, {"path": str(tmp_path), "no_such_option": 1})
+    with pytest.raises(ValueError, match="module-level"):
+        ProcessEngine(lambda: None)
+    with pytest.raises(ModuleNotFoundError):
+        try:
+            ProcessEngine("agentrl.no_such_module:Engine")
+        except RuntimeError as e:
+            raise e.__cause__ from None
