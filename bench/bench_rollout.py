@@ -42,6 +42,7 @@ from agentrl.types import Prompt, ToolCall, ToolResult
 
 class BenchFormat(ToolFormat):
     name = "bench"
+    stop = ("```output",)  # ToRL's: the engine detokenises and checks a stop string, as in a real rollout
 
     def parse(self, text, stop):
         return Calls([ToolCall("sleep", {})])
@@ -246,8 +247,10 @@ async def run_plain(engine: Instances, prompts, tokens: list[int]) -> int:
 
     async def one(i, p):
         if not engine.in_process:
-            return len((await engine.generate(list(p.token_ids), Sampling(max_tokens=tokens[i]), session=f"{p.id}/0")).token_ids)
+            sampling = Sampling(max_tokens=tokens[i], stop=BenchFormat.stop)
+            return len((await engine.generate(list(p.token_ids), sampling, session=f"{p.id}/0")).token_ids)
         params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
+                                stop=list(BenchFormat.stop), include_stop_str_in_output=True,  # the loops' frontend work
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in engine.pick(f"{p.id}/0").engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params,
@@ -299,6 +302,8 @@ def main() -> None:
     ap.add_argument("--engine-processes", action="store_true",
                     help="each engine in a process of its own (engine/process.py), its frontend off this event loop; "
                          "one --admission-ms value, no engine counters")
+    ap.add_argument("--no-engine-stats", action="store_true",
+                    help="VLLMEngine(log_stats=False): vLLM's per-step stats off in its frontend; no engine counters")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -347,7 +352,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
     t0 = time.perf_counter()
     kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
-    kwargs |= dict(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384)
+    kwargs |= dict(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384,
+                   log_stats=not args.no_engine_stats)
     if args.engine_processes:
         kwargs["admission_interval_ms"] = float(args.admission_ms)
     # one after another: each sizes its cache from free memory
@@ -376,7 +382,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             result = loop.run_until_complete(observed(run, timing, gauges))
             generated, extra = (result, {}) if name == "plain" else result
             seconds = timing[0]
-            if engine.in_process:  # vLLM's metrics live where its frontend does
+            if engine.in_process and not args.no_engine_stats:  # vLLM's metrics live where its frontend does
                 extra |= step_stats(before, engine_counters(), seconds)
             cpu_after = cpu_seconds()
             extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),

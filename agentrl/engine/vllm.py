@@ -23,6 +23,11 @@ graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop
 wait, the other trajectories' steps run with fewer sequences, which costs little where steps are bound by
 per-sequence host work, as they are for small models.
 
+The frontend's per-step work is what saturates its process at a rollout's concurrency (BENCHMARKS.md,
+rollout run 8), so requests without stop strings skip detokenisation, and `log_stats=False` turns off
+vLLM's per-token stats (Prometheus metrics) there; engine/process.py moves the whole frontend off the
+rollout's event loop.
+
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
 fixes the run. `use_request_seeds=True` honours `Sampling.seed`. `sleep()` / `wake()` free and restore GPU memory when
@@ -52,7 +57,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
                  max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
-                 admission_interval_ms: float = 200.0, **engine_kwargs: Any):
+                 admission_interval_ms: float = 200.0, log_stats: bool = True, **engine_kwargs: Any):
         # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
         # cannot use CUDA then.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -78,6 +83,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=not log_stats,
             **engine_kwargs,
         )
         self.replicas = replicas
@@ -107,6 +113,7 @@ class VLLMEngine:
             seed=sampling.seed if self.use_request_seeds else None,
             stop=list(sampling.stop) or None,
             include_stop_str_in_output=True,
+            detokenize=bool(sampling.stop),  # only stop strings need text: rollout.py decodes the ids itself
             logprobs=0,  # the sampled token's logprob only
             flat_logprobs=True,  # a few flat lists per request, not one dict per token: less frontend CPU
             output_kind=RequestOutputKind.FINAL_ONLY,
