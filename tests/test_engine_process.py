@@ -4,17 +4,19 @@ update there, errors and cancellations cross, and a dead or failed child is repo
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from agentrl.engine import Sampling
 from agentrl.engine.hf import HFEngine
-from agentrl.engine.process import ProcessEngine
+from agentrl.engine.process import EngineClosed, ProcessEngine
 
 FACTORY = "agentrl.engine.hf:HFEngine.from_pretrained"
 PROMPTS = ["Compute 2 + 3", "A conversation between User and Assistant.", "who wrote hamlet", "x"]
@@ -85,13 +87,27 @@ def test_errors_in_the_child_are_raised_here_with_its_traceback(child, loop) -> 
     assert loop.run_until_complete(child.generate([1, 2], Sampling(max_tokens=3, temperature=0))).token_ids  # still serving
 
 
+class NotInParent:
+    """Pickles in the child; unpickling it anywhere else fails."""
+
+    def __reduce__(self):
+        return (_rebuild_in, (os.getpid(),))
+
+
+def _rebuild_in(pid: int) -> NotInParent:
+    if os.getpid() != pid:
+        raise ImportError("this class exists in the engine process only")
+    return NotInParent()
+
+
 class ProbeEngine:
     """Made in the child by the tests below: requests wait until cancelled, and it counts them."""
 
     max_context_tokens = 99
 
-    def __init__(self) -> None:
+    def __init__(self, marker: str | None = None, close_raises: bool = False) -> None:
         self.started = self.cancelled = 0
+        self.marker, self.close_raises = marker, close_raises
 
     async def generate(self, prompt_ids, sampling, *, session=None):
         self.started += 1
@@ -104,11 +120,35 @@ class ProbeEngine:
     def counts(self) -> tuple[int, int]:
         return self.started, self.cancelled
 
+    def echo(self, value):
+        return value
+
     def unpicklable(self):
         return lambda: None
 
+    def not_in_parent(self):
+        return NotInParent()
+
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    async def cancelled_inside(self):
+        inner = asyncio.ensure_future(asyncio.Event().wait())
+        inner.cancel()
+        await inner
+
     async def aclose(self) -> None:
-        pass
+        if self.marker:
+            with open(self.marker, "a") as f:
+                f.write("closed\n")
+        if self.close_raises:
+            raise OSError("the engine could not close")
+
+
+class SyncCloseProbe(ProbeEngine):
+    def aclose(self) -> None:  # a plain method: called all the same
+        with open(self.marker, "a") as f:
+            f.write("closed\n")
 
 
 async def _until(engine, counts: tuple[int, int]) -> tuple[int, int]:
@@ -119,28 +159,149 @@ async def _until(engine, counts: tuple[int, int]) -> tuple[int, int]:
     return got
 
 
-def test_a_cancelled_call_is_cancelled_in_the_child(loop) -> None:
+@pytest.fixture
+def probe():
+    loop = asyncio.new_event_loop()
     engine = ProcessEngine(ProbeEngine)
-    until = functools.partial(_until, engine)
+    yield engine, loop
+    loop.run_until_complete(engine.aclose())
+    loop.close()
+
+
+def test_a_cancelled_call_is_cancelled_in_the_child_and_leaves_nothing_behind(probe) -> None:
+    engine, loop = probe
 
     async def go():
         waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
-        await until((1, 0))
+        await _until(engine, (1, 0))
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        return await until((1, 1))
+        await _until(engine, (1, 1))
+        for _ in range(50):  # cancelled before, while and after they reach the child
+            task = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+            await asyncio.sleep(0)
+            task.cancel()
+        deadline = time.monotonic() + 30
+        while await engine.call("_tasks"):
+            assert time.monotonic() < deadline
 
+    assert engine.max_context_tokens == 99
+    loop.run_until_complete(go())
+    assert engine._pending == {}
+
+
+def test_answers_and_arguments_that_cannot_cross_fail_only_their_call(probe) -> None:
+    engine, loop = probe
+    with pytest.raises(AttributeError, match="Can't pickle") as info:  # the child cannot send it
+        loop.run_until_complete(engine.call("unpicklable"))
+    assert "raised in the engine process" in info.value.__notes__[0]
+    with pytest.raises(RuntimeError, match=r"not_in_parent\(\): the engine process's answer cannot be read here"):
+        loop.run_until_complete(engine.call("not_in_parent"))
+    with pytest.raises(TypeError, match=r"echo\(\): its arguments cannot be sent"):
+        loop.run_until_complete(engine.call("echo", lambda: None))
+    with pytest.raises(RuntimeError, match=r"cancelled_inside\(\) was cancelled inside the engine process"):
+        loop.run_until_complete(engine.call("cancelled_inside"))
+    assert loop.run_until_complete(engine.call("echo", {"still": "serving"})) == {"still": "serving"}
+    assert engine._pending == {}
+
+
+def test_first_call_cancelled_while_connecting_leaves_the_engine_usable(probe) -> None:
+    engine, loop = probe
+
+    async def go():
+        first = asyncio.create_task(engine.call("echo", 1))
+        await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await engine.call("echo", 2)
+
+    assert loop.run_until_complete(go()) == 2
+
+
+def test_an_engine_belongs_to_its_first_event_loop(probe) -> None:
+    engine, loop = probe
+    assert loop.run_until_complete(engine.call("echo", 1)) == 1
+    with pytest.raises(RuntimeError, match="belongs to the event loop that first used it"):
+        asyncio.run(engine.call("echo", 2))
+
+
+def test_aclose_fails_waiting_calls_and_later_ones(tmp_path) -> None:
+    loop = asyncio.new_event_loop()
+    marker = tmp_path / "closed"
+    engine = ProcessEngine(ProbeEngine, {"marker": str(marker)})
+
+    async def go():
+        waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+        await _until(engine, (1, 0))
+        await engine.aclose()
+        with pytest.raises(EngineClosed, match="closed"):
+            await waiting
+        with pytest.raises(EngineClosed, match="closed"):
+            await engine.call("echo", 1)
+        await engine.aclose()  # twice is harmless
+
+    loop.run_until_complete(go())
+    loop.close()
+    assert marker.read_text() == "closed\n" and engine.process.exitcode == 0 and not os.path.exists(engine._dir)
+
+
+@pytest.mark.parametrize("factory", [ProbeEngine, SyncCloseProbe])
+def test_the_child_closes_its_engine_when_the_parent_goes(tmp_path, factory) -> None:
+    marker = tmp_path / "closed"
+    engine = ProcessEngine(factory, {"marker": str(marker)})
+    engine._sock.close()  # as when the parent process dies: the child reads the end of its socket
+    engine.process.join(60)
+    assert engine.process.exitcode == 0 and marker.read_text() == "closed\n"
+    engine._finalizer()
+
+
+def test_an_error_closing_the_engine_is_raised_by_aclose() -> None:
+    engine = ProcessEngine(ProbeEngine, {"close_raises": True})
+    with pytest.raises(OSError, match="could not close"):
+        asyncio.run(engine.aclose())
+    assert not engine.process.is_alive()
+
+
+def test_env_is_the_childs_only_and_weights_wait_for_generation(probe) -> None:
+    engine, loop = probe
+    assert "AGENTRL_PROBE" not in os.environ
+    with_env = ProcessEngine(ProbeEngine, env={"AGENTRL_PROBE": "x"})
     try:
-        assert engine.max_context_tokens == 99
-        assert loop.run_until_complete(go()) == (1, 1)
-        with pytest.raises(AttributeError, match="Can't pickle") as info:  # an answer that cannot cross
-            loop.run_until_complete(engine.call("unpicklable"))
-        assert "raised in the engine process" in info.value.__notes__[0]
-        assert engine._pending == {}
+        assert asyncio.run(with_env.call("getenv", "AGENTRL_PROBE")) == "x"
     finally:
-        loop.run_until_complete(engine.aclose())
-    assert engine.process.exitcode == 0
+        asyncio.run(with_env.aclose())  # from another loop: the child is ended through its socket
+    assert "AGENTRL_PROBE" not in os.environ
+
+    async def go():
+        waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+        await _until(engine, (1, 0))
+        with pytest.raises(RuntimeError, match="1 requests are still generating"):
+            await engine.update_weights([("w", torch.zeros(1))])
+        waiting.cancel()
+
+    loop.run_until_complete(go())
+
+
+def test_a_script_that_never_calls_aclose_still_exits(tmp_path) -> None:
+    """The child is ended at interpreter exit, also when a weakref.finalize made before multiprocessing was
+    imported would otherwise run after multiprocessing joins its children."""
+    marker = tmp_path / "closed"
+    script = (
+        "import tempfile; keep = tempfile.TemporaryDirectory()\n"
+        "from agentrl.engine.process import ProcessEngine\n"
+        "from tests.test_engine_process import ProbeEngine\n"
+        f"engine = ProcessEngine(ProbeEngine, {{'marker': {str(marker)!r}}})\n"
+        "print(engine.process.pid)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+    assert marker.read_text() == "closed\n"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_weights_update_in_the_child(models, loop, tiny_tokenizer) -> None:
@@ -160,23 +321,19 @@ def test_weights_update_in_the_child(models, loop, tiny_tokenizer) -> None:
     assert engine.process.exitcode == 0 and not os.path.exists(engine._dir)
 
 
-def test_a_dead_child_fails_every_call_with_its_exit_code(loop) -> None:
-    engine = ProcessEngine(ProbeEngine)
+def test_a_dead_child_fails_every_call_with_its_exit_code(probe) -> None:
+    engine, loop = probe
 
     async def go():
         pending = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
         await _until(engine, (1, 0))
         os.kill(engine.process.pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=r"engine process exited \(exit code -9\)"):
+        with pytest.raises(EngineClosed, match=r"engine process exited \(exit code -9\)"):
             await pending
-        with pytest.raises(RuntimeError, match="exit code -9"):
+        with pytest.raises(EngineClosed, match="exit code -9"):
             await engine.generate([1], Sampling(max_tokens=1))
 
-    try:
-        loop.run_until_complete(go())
-    finally:
-        loop.run_until_complete(engine.aclose())
-    assert not os.path.exists(engine._dir)
+    loop.run_until_complete(go())
 
 
 def test_a_child_that_cannot_make_its_engine_says_why(tmp_path) -> None:

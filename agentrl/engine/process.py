@@ -7,17 +7,24 @@ engine core, and the rollout's own 100 ms tool calls took up to 1.4 s, their tim
 In a child process the engine's frontend has a core to itself and the rollout's loop stays free for tools;
 several children (each vLLM one with its own engine core, sharing a GPU or on one each) split that work.
 
-The child imports `factory` ("module:name", or a class / module-level function, which is passed by name)
-after applying `env` (so CUDA_VISIBLE_DEVICES holds before anything touches CUDA), makes the engine with
-`factory(**kwargs)` and serves calls concurrently. Messages are pickled frames with a length prefix over a
-Unix socket, written and read by asyncio streams on both sides, so neither side can block the other. An
-error raised in the child is raised again in the caller (with the child's traceback as a note); a call
-cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code.
+The child starts with `env` in its environment, imports `factory` ("module:name", or a class or
+module-level function, passed by name), makes the engine with `factory(**kwargs)` and serves calls
+concurrently. Like any spawned process it first re-imports the caller's main module, so a script that
+makes engines needs an `if __name__ == "__main__":` guard. Messages are pickled frames, each headed by its
+length and its call's id, over a Unix socket, written and read by asyncio streams on both sides, so neither
+side can block the other. Weights cross as safetensors bytes, bucket by bucket.
+
+Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
+a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
+`aclose()` closes the engine in the child (its error, if any, is raised) and fails whatever still waits.
+An engine belongs to the event loop that first used it. Without `aclose()`, the child is ended at
+interpreter exit (or when the object is collected): its socket closes, it closes its engine and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import inspect
 import itertools
@@ -28,6 +35,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -36,8 +44,14 @@ from typing import Any
 
 from agentrl.engine import Completion, Sampling, bucket_by_bytes
 
-_HEADER = struct.Struct("!Q")
-BUCKET_BYTES = 256 << 20  # weights cross to the child in pickled buckets of about this size
+_HEADER = struct.Struct("!QQ")  # payload bytes, call id
+BUCKET_BYTES = 256 << 20  # weights cross to the child in buckets of about this size
+CLOSE_TIMEOUT_S = 120.0  # for the engine in the child to close before the process is ended
+_ENV_LOCK = threading.Lock()  # os.environ holds a child's `env` only while it is spawned
+
+
+class EngineClosed(RuntimeError):
+    """The engine process is gone: closed, or it died."""
 
 
 class ProcessEngine:
@@ -52,8 +66,18 @@ class ProcessEngine:
         listener.bind(path)
         listener.listen(1)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_child_main, args=(path, ref, kwargs or {}, env or {}), name=f"agentrl-engine-{ref}")
-        self.process.start()
+            target=_child_main, args=(path, ref, kwargs or {}), name=f"agentrl-engine-{ref}")
+        with _ENV_LOCK:  # in the environment the child's interpreter starts with, before any import
+            saved = {k: os.environ.get(k) for k in env or {}}
+            os.environ.update(env or {})
+            try:
+                self.process.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
         try:
             sock = _accept(listener, self.process, start_timeout_s)
         except BaseException:
@@ -62,9 +86,12 @@ class ProcessEngine:
         finally:
             listener.close()
         self._sock = sock
+        # Ended at interpreter exit even without aclose(): registered after multiprocessing's own exit hook,
+        # so it runs first (that hook joins non-daemon children, and the child exits only once this closes).
         self._finalizer = weakref.finalize(self, _reap, self.process, self._dir, sock)
+        atexit.register(self._finalizer)
         try:
-            status, value = _read_sync(sock, self.process, start_timeout_s)
+            _, (status, value) = _read_sync(sock, self.process, start_timeout_s)
         except BaseException:
             self._finalizer()
             raise
@@ -72,26 +99,45 @@ class ProcessEngine:
             self._finalizer()
             raise RuntimeError(f"the engine process could not make {ref}") from value
         self.max_context_tokens: int | None = value
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._connecting = asyncio.Lock()
-        self._pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count()
-        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opening: asyncio.Task | None = None
         self._replies: asyncio.Task | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, tuple[str, asyncio.Future]] = {}
+        self._ids = itertools.count()
+        self._gone: str | None = None  # why no call can be made any more
+        self._generating = 0
+        self._updating = False
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
-        return await self.call("generate", list(prompt_ids), sampling, session=session)
+        if self._updating:
+            raise RuntimeError("generate() during update_weights(): generate between weight updates")
+        self._generating += 1
+        try:
+            return await self.call("generate", list(prompt_ids), sampling, session=session)
+        finally:
+            self._generating -= 1
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int | None:
-        """Send the tensors to the child bucket by bucket (on the CPU) and load each there; returns how many
-        the engine reports loaded (None where it reports nothing)."""
-        total: int | None = None
-        for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
-            count = await self.call("update_weights", [(n, t.detach().to("cpu")) for n, t in bucket])
-            if count is not None:
-                total = (total or 0) + count
-        return total
+        """Load HF-named tensors in the child, bucket by bucket; returns how many the engine reports loaded
+        (None where it reports nothing). Refused while any generate() of this engine is in flight, before
+        any weight moves; generate() is refused while it runs."""
+        if self._generating:
+            raise RuntimeError(f"{self._generating} requests are still generating: "
+                               "update weights between rollouts, after every request has finished")
+        from safetensors.torch import save
+
+        self._updating = True
+        try:
+            total: int | None = None
+            for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
+                payload = save({name: _alone_on_cpu(t) for name, t in bucket})
+                count = await self.call("_load_weights", payload)
+                if count is not None:
+                    total = (total or 0) + count
+            return total
+        finally:
+            self._updating = False
 
     async def sleep(self, level: int = 1) -> None:
         await self.call("sleep", level=level)
@@ -101,69 +147,99 @@ class ProcessEngine:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`await engine.method(*args, **kwargs)` in the child (a plain call where it is not a coroutine)."""
-        await self._connect()
-        if self._dead:
-            raise RuntimeError(self._dead)
+        await self._open()
         rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
-        self._send((rid, method, args, kwargs))
+        future = self._loop.create_future()  # type: ignore[union-attr]
+        self._pending[rid] = (method, future)
         try:
+            try:
+                frame = _frame(rid, (method, args, kwargs))
+            except Exception as e:
+                raise TypeError(f"{method}(): its arguments cannot be sent to the engine process: {e}") from e
+            self._writer.write(frame)  # type: ignore[union-attr]  # buffered by the transport: never blocks the loop
             return await future
         except asyncio.CancelledError:
-            if not self._dead:
-                self._send((rid, "_cancel", (), {}))
+            if self._gone is None and (future.cancelled() or not future.done()):  # no answer came: stop it there
+                self._writer.write(_frame(rid, ("_cancel", (), {})))  # type: ignore[union-attr]
             raise
         finally:
             self._pending.pop(rid, None)
 
     async def aclose(self) -> None:
-        """Close the engine in the child, then end the process."""
-        if self._finalizer.alive and not self._dead:
+        """Close the engine in the child and end the process; calls still waiting fail with EngineClosed.
+        An error from the engine's own aclose is raised here (the process is ended all the same)."""
+        error: BaseException | None = None
+        other_loop = self._loop is not None and self._loop is not asyncio.get_running_loop()
+        if self._gone is None and self._finalizer.alive and not other_loop:  # else: the socket closes, the child ends
             try:
-                await self.call("_close")
-            except RuntimeError:
+                await asyncio.wait_for(self.call("_close"), CLOSE_TIMEOUT_S)
+            except EngineClosed:
                 pass  # it died meanwhile: reaped below all the same
-        if self._writer is not None:
+            except Exception as e:
+                error = e
+        self._fail_all("the engine process was closed (aclose)")
+        if self._writer is not None and not other_loop:
             self._writer.close()
-        if self._replies is not None:
-            self._replies.cancel()
         await asyncio.to_thread(self._finalizer)
+        atexit.unregister(self._finalizer)
+        if error is not None:
+            raise error
 
-    def _send(self, message: tuple) -> None:
-        assert self._writer is not None
-        self._writer.write(_frame(message))  # buffered by the transport; never blocks the loop
+    async def _open(self) -> None:
+        """The streams, made once on the loop of the first call (shielded: a caller cancelled meanwhile must
+        not close the socket under everyone else)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._opening = loop.create_task(self._connect())
+        elif loop is not self._loop:
+            raise RuntimeError("this engine belongs to the event loop that first used it; make one per event loop")
+        if self._gone is not None:
+            raise EngineClosed(self._gone)
+        await asyncio.shield(self._opening)  # type: ignore[arg-type]
+        if self._gone is not None:
+            raise EngineClosed(self._gone)
 
     async def _connect(self) -> None:
-        async with self._connecting:
-            if self._writer is None and not self._dead:
-                self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
-                self._replies = asyncio.create_task(self._read_replies())
+        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._replies = self._loop.create_task(self._read_replies(reader))  # type: ignore[union-attr]
 
-    async def _read_replies(self) -> None:
-        assert self._reader is not None
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                rid, ok, value = await _read(self._reader)
-                future = self._pending.get(rid)
+                size, rid = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                data = await reader.readexactly(size)
+                method, future = self._pending.get(rid, ("?", None))
+                try:
+                    ok, value = pickle.loads(data)
+                except Exception as e:  # e.g. a class only the child can import
+                    ok, value = False, RuntimeError(f"{method}(): the engine process's answer cannot be read here: "
+                                                    f"{type(e).__name__}: {e}")
                 if future is not None and not future.done():
                     future.set_result(value) if ok else future.set_exception(value)
         except (asyncio.IncompleteReadError, ConnectionError):
-            await asyncio.to_thread(self.process.join, 10)
-            self._dead = f"the engine process exited (exit code {self.process.exitcode})"
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(RuntimeError(self._dead))
+            if self._gone is None:  # not closed by aclose: the child died
+                await asyncio.to_thread(self.process.join, 10)
+                self._fail_all(f"the engine process exited (exit code {self.process.exitcode})")
+        except Exception as e:
+            self._fail_all(f"reading the engine process's answers failed: {type(e).__name__}: {e}")
+
+    def _fail_all(self, why: str) -> None:
+        self._gone = self._gone or why
+        for _, future in self._pending.values():
+            if not future.done() and not future.get_loop().is_closed():
+                future.set_exception(EngineClosed(self._gone))
 
 
-def _frame(message: Any) -> bytes:
+def _alone_on_cpu(tensor: Any) -> Any:
+    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses views that share storage)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def _frame(rid: int, message: Any) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
-async def _read(reader: asyncio.StreamReader) -> Any:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
+    return _HEADER.pack(len(data), rid) + data
 
 
 def _accept(listener: socket.socket, process: multiprocessing.process.BaseProcess, timeout_s: float) -> socket.socket:
@@ -177,7 +253,10 @@ def _accept(listener: socket.socket, process: multiprocessing.process.BaseProces
             return sock
         except TimeoutError:
             if not process.is_alive():
-                raise RuntimeError(f"the engine process exited before it connected (exit code {process.exitcode})") from None
+                raise RuntimeError(
+                    f"the engine process exited before it connected (exit code {process.exitcode}); its stderr says "
+                    "why. A script that makes engines needs an `if __name__ == '__main__':` guard (spawn re-imports it)"
+                ) from None
     raise TimeoutError(f"the engine process did not connect within {timeout_s:g} s")
 
 
@@ -196,7 +275,7 @@ def _read_sync(sock: socket.socket, process: multiprocessing.process.BaseProcess
                 n -= len(chunk)
             return b"".join(chunks)
 
-        (size,) = _HEADER.unpack(exactly(_HEADER.size))
+        size, _ = _HEADER.unpack(exactly(_HEADER.size))
         return pickle.loads(exactly(size))
     except TimeoutError:
         raise TimeoutError(f"the engine process did not start its engine within {timeout_s:g} s") from None
@@ -205,13 +284,14 @@ def _read_sync(sock: socket.socket, process: multiprocessing.process.BaseProcess
 
 
 def _reap(process: multiprocessing.process.BaseProcess, directory: str, sock: socket.socket | None) -> None:
-    """End the child (it closes its engine and exits once its socket closes) and remove the socket's directory."""
+    """End the child: once its socket closes it closes its engine and exits; SIGTERM, then SIGKILL, if not."""
     if sock is not None:
         sock.close()
-    process.join(30 if sock is not None else 0)
-    if process.is_alive():
-        process.kill()
-        process.join()
+        process.join(CLOSE_TIMEOUT_S)
+    for stop in (process.terminate, process.kill):
+        if process.is_alive():
+            stop()
+            process.join(10)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -227,13 +307,19 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"in the engine process: {type(error).__name__}: {error}\n{tb}")
 
 
-def _child_main(path: str, ref: str, kwargs: dict[str, Any], env: dict[str, str]) -> None:
-    os.environ.update(env)
+def _child_main(path: str, ref: str, kwargs: dict[str, Any]) -> None:
     asyncio.run(_serve(path, ref, kwargs))
 
 
 async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
     reader, writer = await asyncio.open_unix_connection(path)
+
+    def reply(rid: int, ok: bool, value: Any) -> None:
+        try:
+            writer.write(_frame(rid, (ok, value)))
+        except Exception as e:  # an answer that cannot be pickled
+            writer.write(_frame(rid, (False, _portable(e))))
+
     try:
         module, name = ref.split(":", 1)
         factory = importlib.import_module(module)
@@ -241,48 +327,71 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
             factory = getattr(factory, part)
         engine = factory(**kwargs)
     except Exception as e:
-        writer.write(_frame(("failed", _portable(e))))
+        reply(0, True, ("failed", _portable(e)))
         await writer.drain()
         return
-    writer.write(_frame(("ready", getattr(engine, "max_context_tokens", None))))
+    reply(0, True, ("ready", getattr(engine, "max_context_tokens", None)))
     tasks: dict[int, asyncio.Task] = {}
+    cancelled: set[int] = set()  # calls the parent cancelled: they get no answer
+
+    async def load_weights(payload: bytes) -> Any:
+        from safetensors.torch import load
+
+        return await _maybe_await(engine.update_weights(list(load(payload).items())))
 
     async def run(rid: int, method: str, args: tuple, kw: dict) -> None:
         try:
-            if method.startswith("_") or not callable(getattr(engine, method, None)):
+            if method == "_load_weights":
+                result = await load_weights(*args)
+            elif method == "_tasks":  # for tests: the calls still running here
+                result = len(tasks) - 1
+            elif method.startswith("_") or not callable(getattr(engine, method, None)):
                 raise AttributeError(f"{type(engine).__name__} has no method {method!r}")
-            result = getattr(engine, method)(*args, **kw)
-            reply = (rid, True, await result if inspect.isawaitable(result) else result)
+            else:
+                result = await _maybe_await(getattr(engine, method)(*args, **kw))
+            reply(rid, True, result)
         except asyncio.CancelledError:
-            return  # the caller has stopped waiting
+            if rid not in cancelled:  # cancelled inside the engine, not by the caller: an error there
+                reply(rid, False, RuntimeError(f"{method}() was cancelled inside the engine process"))
         except Exception as e:
-            reply = (rid, False, _portable(e))
-        finally:
-            tasks.pop(rid, None)
-        try:
-            writer.write(_frame(reply))
-        except Exception as e:  # an answer that cannot be pickled
-            writer.write(_frame((rid, False, _portable(e))))
+            reply(rid, False, _portable(e))
 
+    close_rid = None
     try:
         while True:
             try:
-                rid, method, args, kw = await _read(reader)
+                size, rid = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                method, args, kw = pickle.loads(await reader.readexactly(size))
             except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the parent is gone
+                break  # the parent is gone: close the engine all the same
             if method == "_cancel":
+                cancelled.add(rid)
                 if rid in tasks:
                     tasks[rid].cancel()
             elif method == "_close":
+                close_rid = rid
                 break
             else:
-                tasks[rid] = asyncio.create_task(run(rid, method, args, kw))
+                task = tasks[rid] = asyncio.create_task(run(rid, method, args, kw))
+                task.add_done_callback(lambda _, rid=rid: (tasks.pop(rid, None), cancelled.discard(rid)))
     finally:
+        for rid in tasks:
+            cancelled.add(rid)
         for task in list(tasks.values()):
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-        if inspect.iscoroutinefunction(getattr(engine, "aclose", None)):
-            await engine.aclose()
-    writer.write(_frame((rid, True, None)))  # the answer to _close
-    await writer.drain()
-    writer.close()
+        close = getattr(engine, "aclose", None)
+        try:
+            if callable(close):
+                await _maybe_await(close())
+            closed: tuple[bool, Any] = (True, None)
+        except Exception as e:
+            closed = (False, _portable(e))
+        if close_rid is not None:
+            reply(close_rid, *closed)
+            await writer.drain()
+        writer.close()
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
