@@ -34,6 +34,7 @@ from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
 from agentrl.engine.process import ProcessEngine
+from agentrl.engine.vllm import VLLMEngine
 from agentrl.rollout import RolloutConfig, rollout
 from agentrl.task import Budgets
 from agentrl.tools.formats import Calls, ToolFormat
@@ -99,6 +100,28 @@ class FixedTurns:
         return c
 
 
+class BenchEngine(VLLMEngine):
+    """VLLMEngine and what the bench asks of it, callable where the engine lives (in this process or, under
+    --engine-processes, through ProcessEngine.call in its own)."""
+
+    def set_admission(self, seconds: float) -> None:
+        self.admission_interval_s = seconds
+
+    async def plain(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> int:
+        """One plain request of `max_tokens` tokens, EOS ignored; with the loops' stop string and logprob
+        options, so the frontend does the same work per token. Returns the tokens generated."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
+                                stop=list(BenchFormat.stop), include_stop_str_in_output=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=request_id):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+
 class Instances:
     """Several engines sharing the GPU, each with its own engine-core process: a trajectory's turns go to
     one of them (by its session key, for the prefix cache). An experiment: vLLM's engine core is one
@@ -116,19 +139,23 @@ class Instances:
     async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
         return await self.pick(session or "").generate(prompt_ids, sampling, session=session)
 
-    def set_admission(self, seconds: float) -> None:
-        if not self.in_process:  # fixed when each process made its engine
-            return
-        for e in self.engines:
-            e.admission_interval_s = seconds
+    async def on(self, engine, method: str, *args):
+        """`engine.method(*args)` where the engine lives."""
+        if self.in_process:
+            return await _maybe_await(getattr(engine, method)(*args))
+        return await engine.call(method, *args)
 
-    async def reset_prefix_cache(self) -> None:
+    async def on_all(self, method: str, *args) -> None:
         for e in self.engines:
-            await (e.reset_prefix_cache() if self.in_process else e.call("reset_prefix_cache"))
+            await self.on(e, method, *args)
 
     async def aclose(self) -> None:
         for e in self.engines:
             await e.aclose()
+
+
+async def _maybe_await(value):
+    return await value if asyncio.iscoroutine(value) else value
 
 
 # vLLM's Prometheus metrics (recorded in this process, the engine's frontend): the iteration-tokens
@@ -239,26 +266,10 @@ def step_stats(before: dict[str, float], after: dict[str, float], seconds: float
 
 
 async def run_plain(engine: Instances, prompts, tokens: list[int]) -> int:
-    """Each prompt generates its trajectory's total of model tokens in one request: vLLM's own `generate`
-    with EOS ignored where the engines are in this process, VLLMEngine.generate (the same request options as
-    the loops') where they are in processes of their own."""
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    async def one(i, p):
-        if not engine.in_process:
-            sampling = Sampling(max_tokens=tokens[i], stop=BenchFormat.stop)
-            return len((await engine.generate(list(p.token_ids), sampling, session=f"{p.id}/0")).token_ids)
-        params = SamplingParams(max_tokens=tokens[i], temperature=1.0, ignore_eos=True, logprobs=0, flat_logprobs=True,
-                                stop=list(BenchFormat.stop), include_stop_str_in_output=True,  # the loops' frontend work
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for out in engine.pick(f"{p.id}/0").engine.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), params,
-                                                                  request_id=f"plain-{i}"):
-            final = out
-        return len(final.outputs[0].token_ids)
-
-    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    """Each prompt generates its trajectory's total of model tokens in one request (BenchEngine.plain)."""
+    done = await asyncio.gather(*(engine.on(engine.pick(f"{p.id}/0"), "plain", list(p.token_ids), tokens[i], f"plain-{i}")
+                                  for i, p in enumerate(prompts)))
+    return sum(done)
 
 
 async def run_loop(engine, prompts, tok, args, mode: str, lengths: list[list[int]]) -> tuple[int, dict]:
@@ -300,8 +311,8 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1,
                     help="engines sharing the GPU (each its own engine-core process), trajectories routed by session")
     ap.add_argument("--engine-processes", action="store_true",
-                    help="each engine in a process of its own (engine/process.py), its frontend off this event loop; "
-                         "one --admission-ms value, no engine counters")
+                    help="each engine in a process of its own (engine/process.py), its frontend off this event loop "
+                         "(no engine counters then; 'this process' CPU is the rollout loop's alone)")
     ap.add_argument("--no-engine-stats", action="store_true",
                     help="VLLMEngine(log_stats=False): vLLM's per-step stats off in its frontend; no engine counters")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
@@ -313,8 +324,6 @@ def main() -> None:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; expected some of plain, async, turn_sync")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
-    if args.engine_processes and "," in args.admission_ms:
-        raise SystemExit("--engine-processes: give one --admission-ms value (each process fixes it when it starts)")
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
     modes = args.cudagraph_modes.split(",")
@@ -342,7 +351,6 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     from transformers import AutoTokenizer
 
     from agentrl.engine.random_model import write_random_checkpoint
-    from agentrl.engine.vllm import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     write_random_checkpoint(args.model_dir, tok, args.shape, vocab_size=151936, max_position_embeddings=16384, device="cuda")
@@ -354,10 +362,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
     kwargs |= dict(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384,
                    log_stats=not args.no_engine_stats)
-    if args.engine_processes:
-        kwargs["admission_interval_ms"] = float(args.admission_ms)
     # one after another: each sizes its cache from free memory
-    engine = Instances([ProcessEngine(VLLMEngine, kwargs) if args.engine_processes else VLLMEngine(**kwargs)
+    engine = Instances([ProcessEngine(BenchEngine, kwargs) if args.engine_processes else BenchEngine(**kwargs)
                         for _ in range(args.instances)])
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
@@ -369,9 +375,9 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         waves = [float(x) for x in args.admission_ms.split(",")]
         modes = args.modes.split(",")
         for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
-            engine.set_admission(wave_ms / 1000)
+            loop.run_until_complete(engine.on_all("set_admission", wave_ms / 1000))
             # no mode starts with the prompts an earlier mode left in the prefix cache
-            loop.run_until_complete(engine.reset_prefix_cache())
+            loop.run_until_complete(engine.on_all("reset_prefix_cache"))
             before, cpu_before, lag_start = engine_counters(), cpu_seconds(), len(lag.lags_s) if lag else 0
             gauges: dict[str, list[float]] = {}
             timing: list[float] = []
@@ -423,7 +429,7 @@ def report(args: argparse.Namespace, rows: list[dict], start_s: dict[str, float]
     for dist in args.dists.split(","):
         print(f"- {dist}: {DISTS[dist]}")
     print("\n| cudagraph mode | turn lengths | mode | generated tokens | seconds (median) | tokens/s (median) | each repeat "
-          "(tokens/s) | engine steps (each) | ms per step (each) | running requests, mean (each) | frontend CPU share (each) "
+          "(tokens/s) | engine steps (each) | ms per step (each) | running requests, mean (each) | this process's CPU share (each) "
           "| frontend lag ms, mean / p90 (each) | vs plain | vs turn_sync |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     grouped = groups(rows)
