@@ -151,6 +151,31 @@ class SyncCloseProbe(ProbeEngine):
             f.write("closed\n")
 
 
+class BytesProbe(ProbeEngine):
+    """Takes weights as safetensors bytes (as VLLMEngine does) and records what it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buckets: list[dict] = []
+        self.resets = 0
+
+    async def load_weight_bucket(self, payload: bytes) -> int:
+        from safetensors.torch import load
+
+        tensors = load(payload)
+        self.buckets.append({name: (t.dtype, t.tolist()) for name, t in tensors.items()})
+        return len(tensors)
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+    async def update_weights(self, named_tensors):
+        raise AssertionError("bytes-taking engines get no second encoding")
+
+    def received(self):
+        return self.buckets, self.resets
+
+
 async def _until(engine, counts: tuple[int, int]) -> tuple[int, int]:
     """Ask the child for its counts until they are `counts` (a bound, not a timing: fails after 30 s)."""
     deadline = time.monotonic() + 30
@@ -349,3 +374,25 @@ def test_a_child_that_cannot_make_its_engine_says_why(tmp_path) -> None:
             ProcessEngine("agentrl.no_such_module:Engine")
         except RuntimeError as e:
             raise e.__cause__ from None
+
+
+def test_weights_reach_a_bytes_taking_engine_as_sent_then_one_reset(monkeypatch) -> None:
+    import agentrl.engine.process as process
+
+    monkeypatch.setattr(process, "BUCKET_BYTES", 16)  # a bucket per tensor or two
+    base = torch.arange(12, dtype=torch.float32)
+    weights = [("a", base[:4]), ("b", base[4:].view(2, 4)), ("c", torch.tensor([1.5, -2.0], dtype=torch.bfloat16))]
+    engine = ProcessEngine(BytesProbe)
+
+    async def go():
+        count = await engine.update_weights(weights)
+        return count, await engine.call("received")
+
+    try:
+        count, (buckets, resets) = asyncio.run(go())
+    finally:
+        asyncio.run(engine.aclose())
+    got = {name: value for bucket in buckets for name, value in bucket.items()}
+    assert count == 3 and len(buckets) == 3 and resets == 1
+    assert got == {"a": (torch.float32, [0.0, 1.0, 2.0, 3.0]), "b": (torch.float32, [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]),
+                   "c": (torch.bfloat16, [1.5, -2.0])}

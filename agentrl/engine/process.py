@@ -12,7 +12,9 @@ module-level function, passed by name), makes the engine with `factory(**kwargs)
 concurrently. Like any spawned process it first re-imports the caller's main module, so a script that
 makes engines needs an `if __name__ == "__main__":` guard. Messages are pickled frames, each headed by its
 length and its call's id, over a Unix socket, written and read by asyncio streams on both sides, so neither
-side can block the other. Weights cross as safetensors bytes, bucket by bucket.
+side can block the other. Weights cross as safetensors bytes, bucket by bucket: an engine with
+`load_weight_bucket(payload) -> int` (VLLMEngine) takes them as they are, and its `reset_prefix_cache()`
+follows the last bucket; any other gets them through `update_weights`, one bucket at a time.
 
 Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
 a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
@@ -135,6 +137,7 @@ class ProcessEngine:
                 count = await self.call("_load_weights", payload)
                 if count is not None:
                     total = (total or 0) + count
+            await self.call("_weights_loaded")
             return total
         finally:
             self._updating = False
@@ -334,15 +337,25 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
     tasks: dict[int, asyncio.Task] = {}
     cancelled: set[int] = set()  # calls the parent cancelled: they get no answer
 
+    takes_bytes = callable(getattr(engine, "load_weight_bucket", None))
+
     async def load_weights(payload: bytes) -> Any:
+        if takes_bytes:
+            return await engine.load_weight_bucket(payload)
         from safetensors.torch import load
 
         return await _maybe_await(engine.update_weights(list(load(payload).items())))
+
+    async def weights_loaded() -> None:
+        if takes_bytes and callable(getattr(engine, "reset_prefix_cache", None)):
+            await _maybe_await(engine.reset_prefix_cache())  # its cached KV was computed with the old weights
 
     async def run(rid: int, method: str, args: tuple, kw: dict) -> None:
         try:
             if method == "_load_weights":
                 result = await load_weights(*args)
+            elif method == "_weights_loaded":
+                result = await weights_loaded()
             elif method == "_tasks":  # for tests: the calls still running here
                 result = len(tasks) - 1
             elif method.startswith("_") or not callable(getattr(engine, method, None)):

@@ -143,15 +143,24 @@ class VLLMEngine:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
         from safetensors.torch import save
 
-        if self._in_flight:  # checked before any weight moves, for every replica (vLLM answers for the first)
-            raise RuntimeError(f"{self._in_flight} requests are still generating: {BETWEEN_ROLLOUTS}")
+        self._refuse_in_flight()  # before any weight moves
         count = 0
         for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
-            payload = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket})
-            await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
-            count += len(bucket)
+            count += await self.load_weight_bucket(save({name: t.detach().to("cpu").contiguous() for name, t in bucket}))
         await self.reset_prefix_cache()  # cached KV was computed with the old weights
         return count
+
+    async def load_weight_bucket(self, payload: bytes) -> int:
+        """One bucket of HF-named tensors as safetensors bytes, loaded in every worker as it is (engine/process.py
+        sends weights so, and they cross no second encoding); returns how many tensors. The caller resets the
+        prefix cache after the last bucket."""
+        self._refuse_in_flight()
+        loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
+        return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
+
+    def _refuse_in_flight(self) -> None:
+        if self._in_flight:  # for every replica (vLLM answers for the first)
+            raise RuntimeError(f"{self._in_flight} requests are still generating: {BETWEEN_ROLLOUTS}")
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix. vLLM refuses (returns False) while requests run: their KV would outlive
