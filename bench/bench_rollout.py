@@ -188,7 +188,8 @@ GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "
 async def sample_gauges(gauges: dict[str, object], out: dict[str, list[float]], every_s: float = 0.025) -> None:
     """Until cancelled, every `every_s` append each gauge's value, summed over its label values (engines), to
     `out[name]`. Over a mode, the means of vLLM's running and waiting counts (GAUGES, set once per engine
-    step) say how full its decode batches were."""
+    step, in the frontend's stats record, so they lag with it) say how full its decode batches were. With
+    --instances above 1 in one process only the last engine's gauges exist (vLLM re-registers them)."""
     while True:
         for name, gauge in gauges.items():
             out.setdefault(name, []).append(sum(s.value for m in gauge.collect() for s in m.samples))
@@ -197,7 +198,9 @@ async def sample_gauges(gauges: dict[str, object], out: dict[str, list[float]], 
 
 class FrontendLag:
     """How far vLLM's frontend (the output handler on this process's event loop) runs behind its engine core:
-    for each batch of engine outputs it processes, the time since the engine core stamped the batch (both
+    for each chunk of an engine-output batch it processes (up to VLLM_V1_OUTPUT_PROC_CHUNK_SIZE requests; a
+    later chunk's lag includes the earlier chunks' processing), the time since the engine core stamped the
+    batch (both
     CLOCK_MONOTONIC, one machine). A lag delays every turn's end, and so the next turn's start, in the loops;
     plain generation only waits for it once. Wraps each engine's `output_processor.process_outputs`."""
 
@@ -283,7 +286,8 @@ async def run_loop(engine, prompts, tok, args, mode: str, lengths: list[list[int
     generated = sum(sum(s.token_ids.__len__() for s in t.segments if s.source == "model") for t in trajectories)
     turns = sum(t.num_turns for t in trajectories) / len(trajectories)
     # the trajectory that took longest: how its time split between the engine (generate_s, which includes the
-    # admission wait) and its tool calls
+    # admission wait) and its tool calls (for turn_sync this leaves out the waits at each turn's barrier, so
+    # it need not be the trajectory that finished last)
     slowest = max(trajectories, key=lambda t: t.timings["generate_s"] + t.timings["tool_s"])
     return generated, {"turns_mean": turns, "slowest_generate_s": round(slowest.timings["generate_s"], 2),
                        "slowest_tool_s": round(slowest.timings["tool_s"], 2),
@@ -392,7 +396,7 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
                 extra |= step_stats(before, engine_counters(), seconds)
             cpu_after = cpu_seconds()
             extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),
-                      "engine_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
+                      "child_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
             extra |= lag.since(lag_start) if lag else {}
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name

@@ -25,7 +25,7 @@ per-sequence host work, as they are for small models.
 
 The frontend's per-step work is what saturates its process at a rollout's concurrency (BENCHMARKS.md,
 rollout run 8), so requests without stop strings skip detokenisation, and `log_stats=False` turns off
-vLLM's per-token stats (Prometheus metrics) there; engine/process.py moves the whole frontend off the
+vLLM's stats (per step and per request, Prometheus metrics) there; engine/process.py moves the whole frontend off the
 rollout's event loop.
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
