@@ -104,8 +104,22 @@ class BenchEngine(VLLMEngine):
     """VLLMEngine and what the bench asks of it, callable where the engine lives (in this process or, under
     --engine-processes, through ProcessEngine.call in its own)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lag = FrontendLag([self])  # recorded where the frontend runs, in process mode too
+
     def set_admission(self, seconds: float) -> None:
         self.admission_interval_s = seconds
+
+    def lag_mark(self) -> int:
+        return len(self.lag.lags_s)
+
+    def lags_since(self, mark: int) -> list[float]:
+        return self.lag.lags_s[mark:]
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's COUNTERS as this process's registry holds them (the engine's frontend registers there)."""
+        return engine_counters()
 
     async def plain(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> int:
         """One plain request of `max_tokens` tokens, EOS ignored; with the loops' stop string and logprob
@@ -145,9 +159,19 @@ class Instances:
             return await _maybe_await(getattr(engine, method)(*args))
         return await engine.call(method, *args)
 
-    async def on_all(self, method: str, *args) -> None:
-        for e in self.engines:
-            await self.on(e, method, *args)
+    async def on_all(self, method: str, *args) -> list:
+        return [await self.on(e, method, *args) for e in self.engines]
+
+    async def counters(self) -> dict[str, float]:
+        """vLLM's COUNTERS over all engines: one registry here when they share this process, else each
+        engine's process's registry, summed."""
+        if self.in_process:
+            return engine_counters()
+        parts = await self.on_all("counters")
+        return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+    async def lags_since(self, marks: list[int]) -> list[float]:
+        return [x for e, m in zip(self.engines, marks, strict=True) for x in await self.on(e, "lags_since", m)]
 
     async def aclose(self) -> None:
         for e in self.engines:
@@ -200,8 +224,7 @@ class FrontendLag:
     """How far vLLM's frontend (the output handler on this process's event loop) runs behind its engine core:
     for each chunk of an engine-output batch it processes (up to VLLM_V1_OUTPUT_PROC_CHUNK_SIZE requests; a
     later chunk's lag includes the earlier chunks' processing), the time since the engine core stamped the
-    batch (both
-    CLOCK_MONOTONIC, one machine). A lag delays every turn's end, and so the next turn's start, in the loops;
+    batch (both CLOCK_MONOTONIC, one machine). A lag delays every turn's end, and so the next turn's start, in the loops;
     plain generation only waits for it once. Wraps each engine's `output_processor.process_outputs`."""
 
     def __init__(self, engines):
@@ -218,12 +241,17 @@ class FrontendLag:
             processor.process_outputs = process_outputs
 
     def since(self, start: int) -> dict[str, float]:
-        """Mean, p90 and max lag (ms) of the batches processed after the first `start`."""
-        lags = sorted(self.lags_s[start:])
-        if not lags:
-            return {}
-        return {"lag_ms_mean": round(1000 * statistics.fmean(lags), 1), "lag_ms_p90": round(1000 * lags[int(0.9 * (len(lags) - 1))], 1),
-                "lag_ms_max": round(1000 * lags[-1], 1)}
+        """Mean, p90 and max lag (ms) of the chunks processed after the first `start`."""
+        return lag_summary(self.lags_s[start:])
+
+
+def lag_summary(lags_s: list[float]) -> dict[str, float]:
+    """Mean, p90 and max (ms) of lags in seconds; {} for none."""
+    lags = sorted(lags_s)
+    if not lags:
+        return {}
+    return {"lag_ms_mean": round(1000 * statistics.fmean(lags), 1), "lag_ms_p90": round(1000 * lags[int(0.9 * (len(lags) - 1))], 1),
+            "lag_ms_max": round(1000 * lags[-1], 1)}
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -316,7 +344,7 @@ def main() -> None:
                     help="engines sharing the GPU (each its own engine-core process), trajectories routed by session")
     ap.add_argument("--engine-processes", action="store_true",
                     help="each engine in a process of its own (engine/process.py), its frontend off this event loop "
-                         "(no engine counters then; 'this process' CPU is the rollout loop's alone)")
+                         "(no running/waiting gauges then; 'this process' CPU is the rollout loop's alone)")
     ap.add_argument("--no-engine-stats", action="store_true",
                     help="VLLMEngine(log_stats=False): vLLM's per-step stats off in its frontend; no engine counters")
     ap.add_argument("--model-dir", default="/tmp/agentrl-bench-model")
@@ -372,7 +400,6 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator
-    lag = FrontendLag(engine.engines) if engine.in_process else None
     rows = []
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
@@ -382,7 +409,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             loop.run_until_complete(engine.on_all("set_admission", wave_ms / 1000))
             # no mode starts with the prompts an earlier mode left in the prefix cache
             loop.run_until_complete(engine.on_all("reset_prefix_cache"))
-            before, cpu_before, lag_start = engine_counters(), cpu_seconds(), len(lag.lags_s) if lag else 0
+            before = loop.run_until_complete(engine.counters())
+            cpu_before, marks = cpu_seconds(), loop.run_until_complete(engine.on_all("lag_mark"))
             gauges: dict[str, list[float]] = {}
             timing: list[float] = []
             if name == "plain":
@@ -392,13 +420,13 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
             result = loop.run_until_complete(observed(run, timing, gauges))
             generated, extra = (result, {}) if name == "plain" else result
             seconds = timing[0]
-            if engine.in_process and not args.no_engine_stats:  # vLLM's metrics live where its frontend does
-                extra |= step_stats(before, engine_counters(), seconds)
+            if not args.no_engine_stats:
+                extra |= step_stats(before, loop.run_until_complete(engine.counters()), seconds)
             cpu_after = cpu_seconds()
             extra |= {"frontend_cpu_share": round((cpu_after[0] - cpu_before[0]) / seconds, 2),
                       "child_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
-            extra |= lag.since(lag_start) if lag else {}
+            extra |= lag_summary(loop.run_until_complete(engine.lags_since(marks)))
             label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
