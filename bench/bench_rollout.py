@@ -33,7 +33,7 @@ import zlib
 from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
-from agentrl.engine.process import ProcessEngine
+from agentrl.engine.process import ProcessEngine, maybe_await
 from agentrl.engine.vllm import VLLMEngine
 from agentrl.rollout import RolloutConfig, rollout
 from agentrl.task import Budgets
@@ -106,7 +106,7 @@ class BenchEngine(VLLMEngine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lag = FrontendLag([self])  # recorded where the frontend runs, in process mode too
+        self.lag = FrontendLag(self)  # recorded where the frontend runs, in process mode too
 
     def set_admission(self, seconds: float) -> None:
         self.admission_interval_s = seconds
@@ -156,7 +156,7 @@ class Instances:
     async def on(self, engine, method: str, *args):
         """`engine.method(*args)` where the engine lives."""
         if self.in_process:
-            return await _maybe_await(getattr(engine, method)(*args))
+            return await maybe_await(getattr(engine, method)(*args))
         return await engine.call(method, *args)
 
     async def on_all(self, method: str, *args) -> list:
@@ -176,10 +176,6 @@ class Instances:
     async def aclose(self) -> None:
         for e in self.engines:
             await e.aclose()
-
-
-async def _maybe_await(value):
-    return await value if asyncio.iscoroutine(value) else value
 
 
 # vLLM's Prometheus metrics (recorded in this process, the engine's frontend): the iteration-tokens
@@ -225,24 +221,19 @@ class FrontendLag:
     for each chunk of an engine-output batch it processes (up to VLLM_V1_OUTPUT_PROC_CHUNK_SIZE requests; a
     later chunk's lag includes the earlier chunks' processing), the time since the engine core stamped the
     batch (both CLOCK_MONOTONIC, one machine). A lag delays every turn's end, and so the next turn's start, in the loops;
-    plain generation only waits for it once. Wraps each engine's `output_processor.process_outputs`."""
+    plain generation only waits for it once. Wraps the engine's `output_processor.process_outputs`."""
 
-    def __init__(self, engines):
+    def __init__(self, engine):
         self.lags_s: list[float] = []
-        for e in engines:
-            processor = e.engine.output_processor
-            original = processor.process_outputs
+        processor = engine.engine.output_processor
+        original = processor.process_outputs
 
-            def process_outputs(outputs, timestamp=None, *rest, _original=original, **kw):
-                if timestamp:
-                    self.lags_s.append(time.monotonic() - timestamp)
-                return _original(outputs, timestamp, *rest, **kw)
+        def process_outputs(outputs, timestamp=None, *rest, **kw):
+            if timestamp:
+                self.lags_s.append(time.monotonic() - timestamp)
+            return original(outputs, timestamp, *rest, **kw)
 
-            processor.process_outputs = process_outputs
-
-    def since(self, start: int) -> dict[str, float]:
-        """Mean, p90 and max lag (ms) of the chunks processed after the first `start`."""
-        return lag_summary(self.lags_s[start:])
+        processor.process_outputs = process_outputs
 
 
 def lag_summary(lags_s: list[float]) -> dict[str, float]:

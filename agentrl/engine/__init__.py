@@ -43,6 +43,10 @@ class Completion:
     stop_str: str | None = None  # the stop string that ended generation; None for EOS or length
 
 
+# What an engine says when asked for new weights while its requests still run.
+BETWEEN_ROLLOUTS = "update weights between rollouts, after every request has finished"
+
+
 @runtime_checkable
 class Engine(Protocol):
     # The most tokens (prompt and output) one sequence may hold, or None: the rollout never asks for more,

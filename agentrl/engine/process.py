@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentrl.engine import Completion, Sampling, bucket_by_bytes
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, bucket_by_bytes
 
 _HEADER = struct.Struct("!QQ")  # payload bytes, call id
 BUCKET_BYTES = 256 << 20  # weights cross to the child in buckets of about this size
@@ -125,8 +125,7 @@ class ProcessEngine:
         (None where it reports nothing). Refused while any generate() of this engine is in flight, before
         any weight moves; generate() is refused while it runs."""
         if self._generating:
-            raise RuntimeError(f"{self._generating} requests are still generating: "
-                               "update weights between rollouts, after every request has finished")
+            raise RuntimeError(f"{self._generating} requests are still generating: {BETWEEN_ROLLOUTS}")
         from safetensors.torch import save
 
         self._updating = True
@@ -344,11 +343,11 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
             return await engine.load_weight_bucket(payload)
         from safetensors.torch import load
 
-        return await _maybe_await(engine.update_weights(list(load(payload).items())))
+        return await maybe_await(engine.update_weights(list(load(payload).items())))
 
     async def weights_loaded() -> None:
         if takes_bytes and callable(getattr(engine, "reset_prefix_cache", None)):
-            await _maybe_await(engine.reset_prefix_cache())  # its cached KV was computed with the old weights
+            await maybe_await(engine.reset_prefix_cache())  # its cached KV was computed with the old weights
 
     async def run(rid: int, method: str, args: tuple, kw: dict) -> None:
         try:
@@ -361,7 +360,7 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
             elif method.startswith("_") or not callable(getattr(engine, method, None)):
                 raise AttributeError(f"{type(engine).__name__} has no method {method!r}")
             else:
-                result = await _maybe_await(getattr(engine, method)(*args, **kw))
+                result = await maybe_await(getattr(engine, method)(*args, **kw))
             reply(rid, True, result)
         except asyncio.CancelledError:
             if rid not in cancelled:  # cancelled inside the engine, not by the caller: an error there
@@ -396,7 +395,7 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
         close = getattr(engine, "aclose", None)
         try:
             if callable(close):
-                await _maybe_await(close())
+                await maybe_await(close())
             closed: tuple[bool, Any] = (True, None)
         except Exception as e:
             closed = (False, _portable(e))
@@ -406,5 +405,6 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
         writer.close()
 
 
-async def _maybe_await(value: Any) -> Any:
+async def maybe_await(value: Any) -> Any:
+    """`value`, awaited first where it is awaitable (an engine's methods may be plain or coroutines)."""
     return await value if inspect.isawaitable(value) else value

@@ -45,10 +45,9 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from agentrl.engine import Completion, Sampling, bucket_by_bytes
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, bucket_by_bytes
 
 WORKER_EXTENSION = "agentrl.engine.vllm_worker.WeightUpdateExtension"
-BETWEEN_ROLLOUTS = "update weights between rollouts, after every request has finished"
 BUCKET_BYTES = 256 << 20  # weights travel in buckets of about this size: bounded host memory per RPC
 
 
@@ -143,7 +142,6 @@ class VLLMEngine:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
         from safetensors.torch import save
 
-        self._refuse_in_flight()  # before any weight moves
         count = 0
         for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
             count += await self.load_weight_bucket(save({name: t.detach().to("cpu").contiguous() for name, t in bucket}))
@@ -154,7 +152,7 @@ class VLLMEngine:
         """One bucket of HF-named tensors as safetensors bytes, loaded in every worker as it is (engine/process.py
         sends weights so, and they cross no second encoding); returns how many tensors. The caller resets the
         prefix cache after the last bucket."""
-        self._refuse_in_flight()
+        self._refuse_in_flight()  # before this bucket moves: for update_weights, before the first one
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
 
