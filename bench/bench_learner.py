@@ -140,17 +140,21 @@ def build_model(setup: Setup, dtype: torch.dtype = torch.float32, attn: str = "s
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
 
 
-def timed(setup: Setup, step: Callable[[], object], warmup: int, steps: int) -> tuple[float, float]:
-    """(seconds per step, peak GiB allocated on this rank) over `steps` after `warmup`."""
+def timed(setup: Setup, step: Callable[[], object], warmup: int, steps: int,
+          skip_guards: bool = False) -> tuple[float, float]:
+    """(seconds per step, peak GiB allocated on this rank) over `steps` after `warmup`. `skip_guards` times the
+    steps without dynamo's guard checks (the warm-up compiled every shape these steps see): what the checks
+    cost the host, a measurement only."""
     for _ in range(warmup):
         step()
     sync(setup)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(setup)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
+        for _ in range(steps):
+            step()
+        sync(setup)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device.type == "cuda" else float("nan")
     return seconds, peak
@@ -178,23 +182,25 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
     for budget in args.budgets:
         workloads.append((f"RL lengths packed into {budget}-token micro-batches", rl_set(setup, args.rl_per_gpu),
                           budget, True))
-    for label, trajs, budget, is_rl in workloads:
+    for (label, trajs, budget, is_rl), skip in ((w, skip) for w in workloads
+                                                for skip in ((False, True) if args.skip_guard_eval else (False,))):
         batch = my_batch(setup, trajs, budget)
         tokens = float(batch.num_tokens)  # this rank's; ranks are balanced
-        try:
-            seconds, peak = timed(setup, lambda b=batch: worker.train_step(b), warmup, args.steps)
+        shown = f"{name} (guards skipped)" if skip else name
+        try:  # the guard-skipping row reuses the row before it's warm-up: same batch, every shape compiled
+            seconds, peak = timed(setup, lambda b=batch: worker.train_step(b), 0 if skip else warmup, args.steps, skip)
         except torch.OutOfMemoryError:
-            setup.rows.append(f"| {name} | {label} | {len(batch.micro_batches)} | {int(tokens)} | OOM | | | |")
+            setup.rows.append(f"| {shown} | {label} | {len(batch.micro_batches)} | {int(tokens)} | OOM | | | |")
             torch.cuda.empty_cache()
             continue
         total = sum(len(t.prompt.token_ids) + len(t.response_ids) for t in trajs)
-        row = (f"| {name} | {label} | {len(batch.micro_batches)} | {int(tokens)} | {seconds:.3f} | "
+        row = (f"| {shown} | {label} | {len(batch.micro_batches)} | {int(tokens)} | {seconds:.3f} | "
                f"{total / seconds:,.0f} | {mfu(setup, tokens, seconds):.1%} | {peak:.1f} |")
         setup.rows.append(row)
         setup.log(row)
-        setup.raw.append({"variant": name, "workload": label, "seconds": seconds, "tokens_all_gpus": total,
+        setup.raw.append({"variant": shown, "workload": label, "seconds": seconds, "tokens_all_gpus": total,
                           "mfu": mfu(setup, tokens, seconds), "peak_gib": peak})
-        if is_rl:
+        if is_rl and not skip:
             rl_rates[budget] = total / seconds
     if args.profile:  # last in the process (main allows it with one variant and no baseline only)
         profile(setup, lambda b=my_batch(setup, workloads[0][1], workloads[0][2]): worker.train_step(b))
@@ -334,12 +340,21 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
+                        help="set a boolean torch._dynamo.config option for this run (repeatable)")
+    parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
+                        "dynamo's guard checks (same batch, already compiled): what they cost the host; a measurement")
     parser.add_argument("--profile", action="store_true", help="after the timed rows, print a profiler table of the "
                         "variant's first workload (one variant, --no-baseline: a profiler run slows what follows)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     parser.add_argument("--ours", default=None, help="VARIANT:BUDGET compared with the padded loop, named before "
                         "measuring (default: the last variant at the largest budget)")
     args = parser.parse_args()
+    for setting in args.dynamo:
+        key, _, value = setting.partition("=")
+        if not hasattr(torch._dynamo.config, key) or value not in ("True", "False"):
+            parser.error(f"--dynamo: expected NAME=True|False with NAME a torch._dynamo.config setting, got {setting!r}")
+        setattr(torch._dynamo.config, key, value == "True")
     tiny = args.tiny
     args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled_keep,compiled_root")).split(",")
     args.budgets = [int(b) for b in (args.budgets or ("256,512" if tiny else "4096,8192")).split(",")]
@@ -382,6 +397,7 @@ def main() -> None:
         "one optimizer step per timed step",
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",
+        f"- inductor cpp_wrapper: {torch._inductor.config.cpp_wrapper}; dynamo settings: {args.dynamo or 'defaults'}",
     ]
     setup.log("\n".join(header))
     table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "

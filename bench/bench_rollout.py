@@ -29,12 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from agentrl.engine import Completion, Sampling
+from agentrl.engine.pool import EnginePool
 from agentrl.engine.process import ProcessEngine, maybe_await
-from agentrl.engine.vllm import VLLMEngine
+from agentrl.engine.vllm import VLLMEngine, vllm_processes
 from agentrl.rollout import RolloutConfig, rollout
 from agentrl.task import Budgets
 from agentrl.tools.formats import Calls, ToolFormat
@@ -136,22 +136,15 @@ class BenchEngine(VLLMEngine):
         return len(final.outputs[0].token_ids)
 
 
-class Instances:
-    """Several engines sharing the GPU, each with its own engine-core process: a trajectory's turns go to
-    one of them (by its session key, for the prefix cache). An experiment: vLLM's engine core is one
-    Python process whose per-sequence work bounds a decode step (BENCHMARKS.md, rollout run 5), and its
-    frontend another (run 8). `--engine-processes` puts each engine, frontend included, in a process of its
-    own (engine/process.py); otherwise all frontends share this process's event loop."""
+class Instances(EnginePool):
+    """The engines of a run behind one EnginePool (agentrl/engine/pool.py: a trajectory's turns go to one
+    engine, by its session key), and what the bench asks of each where it lives. `--engine-processes` puts
+    each engine, frontend included, in a process of its own (`vllm_processes`); otherwise all frontends
+    share this process's event loop."""
 
     def __init__(self, engines):
-        self.engines = engines
+        super().__init__(engines)
         self.in_process = not any(isinstance(e, ProcessEngine) for e in engines)
-
-    def pick(self, key: str):
-        return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
-
-    async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
-        return await self.pick(session or "").generate(prompt_ids, sampling, session=session)
 
     async def on(self, engine, method: str, *args):
         """`engine.method(*args)` where the engine lives."""
@@ -172,10 +165,6 @@ class Instances:
 
     async def lags_since(self, marks: list[int]) -> list[float]:
         return [x for e, m in zip(self.engines, marks, strict=True) for x in await self.on(e, "lags_since", m)]
-
-    async def aclose(self) -> None:
-        for e in self.engines:
-            await e.aclose()
 
 
 # vLLM's Prometheus metrics (recorded in this process, the engine's frontend): the iteration-tokens
@@ -383,11 +372,12 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         prompts.append(Prompt(str(i), "", tuple(ids), "", ""))
     t0 = time.perf_counter()
     kwargs = {} if graphs == "default" else {"compilation_config": {"cudagraph_mode": graphs}}
-    kwargs |= dict(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, max_model_len=16384,
-                   log_stats=not args.no_engine_stats)
-    # one after another: each sizes its cache from free memory
-    engine = Instances([ProcessEngine(BenchEngine, kwargs) if args.engine_processes else BenchEngine(**kwargs)
-                        for _ in range(args.instances)])
+    kwargs |= dict(max_model_len=16384, log_stats=not args.no_engine_stats)
+    if args.engine_processes:
+        engine = Instances(vllm_processes(args.model_dir, args.instances, factory=BenchEngine, **kwargs).engines)
+    else:  # one after another: each sizes its cache from free memory
+        engine = Instances([BenchEngine(model=args.model_dir, gpu_memory_utilization=0.85 / args.instances, **kwargs)
+                            for _ in range(args.instances)])
     start_s = round(time.perf_counter() - t0, 1)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(run_plain(engine, prompts[:32], [32] * 32))  # warm-up: compile, graphs, allocator

@@ -166,7 +166,7 @@ class BytesProbe(ProbeEngine):
         self.buckets.append({name: (t.dtype, t.tolist()) for name, t in tensors.items()})
         return len(tensors)
 
-    def reset_prefix_cache(self) -> None:
+    def weights_loaded(self) -> None:
         self.resets += 1
 
     async def update_weights(self, named_tensors):
@@ -377,9 +377,9 @@ def test_a_child_that_cannot_make_its_engine_says_why(tmp_path) -> None:
 
 
 def test_weights_reach_a_bytes_taking_engine_as_sent_then_one_reset(monkeypatch) -> None:
-    import agentrl.engine.process as process
+    import agentrl.engine
 
-    monkeypatch.setattr(process, "BUCKET_BYTES", 16)  # a bucket per tensor or two
+    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 16)  # a bucket per tensor or two
     base = torch.arange(12, dtype=torch.float32)
     weights = [("a", base[:4]), ("b", base[4:].view(2, 4)), ("c", torch.tensor([1.5, -2.0], dtype=torch.bfloat16))]
     engine = ProcessEngine(BytesProbe)
@@ -396,3 +396,29 @@ def test_weights_reach_a_bytes_taking_engine_as_sent_then_one_reset(monkeypatch)
     assert count == 3 and len(buckets) == 3 and resets == 1
     assert got == {"a": (torch.float32, [0.0, 1.0, 2.0, 3.0]), "b": (torch.float32, [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]),
                    "c": (torch.bfloat16, [1.5, -2.0])}
+
+
+class StuckLoadProbe(BytesProbe):
+    """A bucket load that never finishes: counts it as a started request."""
+
+    async def load_weight_bucket(self, payload: bytes) -> int:
+        self.started += 1
+        await asyncio.Event().wait()
+        return 0
+
+
+def test_generation_is_refused_while_weights_load() -> None:
+    engine = ProcessEngine(StuckLoadProbe)
+
+    async def go():
+        loading = asyncio.create_task(engine.update_weights([("w", torch.zeros(2))]))
+        await _until(engine, (1, 0))
+        with pytest.raises(RuntimeError, match="generate between weight updates"):
+            await engine.generate([1], Sampling(max_tokens=1))
+        loading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        assert engine._updating == 0  # a cancelled update leaves generation allowed again
+        await engine.aclose()
+
+    asyncio.run(go())

@@ -16,6 +16,7 @@ AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.p
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -92,9 +93,14 @@ def completed_stop(tokenizer: object, ids: Sequence[int], stops: Sequence[str]) 
     return stop_completed_in_last_token(decode(window), decode(window[:-1]), stops)
 
 
-def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    """(name, tensor) pairs grouped into lists of about `bucket_bytes` (a tensor larger than that is alone):
-    the unit in which weights travel from the learner to an engine."""
+# Weights travel to an engine in buckets of about this many bytes: bounded host memory per transfer.
+BUCKET_BYTES = 256 << 20
+
+
+def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None = None) -> Iterator[list[tuple[str, Any]]]:
+    """(name, tensor) pairs grouped into lists of about `bucket_bytes` (BUCKET_BYTES by default; a tensor larger
+    than that is alone): the unit in which weights travel from the learner to an engine."""
+    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     bucket: list[tuple[str, Any]] = []
     size = 0
     for name, tensor in named_tensors:
@@ -106,3 +112,36 @@ def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def bucket_bytes(bucket: Iterable[tuple[str, Any]]) -> bytes:
+    """A bucket of HF-named tensors as safetensors bytes. Engines that take weights so have
+    `load_weight_bucket(payload) -> int | None` (the tensors it loaded) and `weights_loaded()`, called once
+    after the last bucket (vllm.py, process.py): one encoding then serves every process and worker."""
+    from safetensors.torch import save
+
+    return save({name: _alone_on_cpu(t) for name, t in bucket})
+
+
+def takes_buckets(engine: object) -> bool:
+    return callable(getattr(engine, "load_weight_bucket", None)) and callable(getattr(engine, "weights_loaded", None))
+
+
+async def load_buckets(engines: Sequence[Any], named_tensors: Iterable[tuple[str, Any]]) -> int | None:
+    """Send HF-named tensors to engines that take buckets (`takes_buckets`), each bucket encoded once and
+    loaded by all of them at once, then `weights_loaded()` on each; returns how many tensors the first
+    engine reports loaded (None where it reports nothing)."""
+    total: int | None = None
+    for bucket in bucket_by_bytes(named_tensors):
+        payload = bucket_bytes(bucket)
+        counts = await asyncio.gather(*(e.load_weight_bucket(payload) for e in engines))
+        if counts[0] is not None:
+            total = (total or 0) + counts[0]
+    await asyncio.gather(*(e.weights_loaded() for e in engines))
+    return total
+
+
+def _alone_on_cpu(tensor: Any) -> Any:
+    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses views that share storage)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()

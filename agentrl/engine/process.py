@@ -13,8 +13,8 @@ concurrently. Like any spawned process it first re-imports the caller's main mod
 makes engines needs an `if __name__ == "__main__":` guard. Messages are pickled frames, each headed by its
 length and its call's id, over a Unix socket, written and read by asyncio streams on both sides, so neither
 side can block the other. Weights cross as safetensors bytes, bucket by bucket: an engine with
-`load_weight_bucket(payload) -> int` (VLLMEngine) takes them as they are, and its `reset_prefix_cache()`
-follows the last bucket; any other gets them through `update_weights`, one bucket at a time.
+`load_weight_bucket(payload)` and `weights_loaded()` (VLLMEngine) takes them as they are; any other gets
+them through `update_weights`, one bucket at a time.
 
 Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
 a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
@@ -44,10 +44,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, bucket_by_bytes
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, takes_buckets
 
 _HEADER = struct.Struct("!QQ")  # payload bytes, call id
-BUCKET_BYTES = 256 << 20  # weights cross to the child in buckets of about this size
 CLOSE_TIMEOUT_S = 120.0  # for the engine in the child to close before the process is ended
 _ENV_LOCK = threading.Lock()  # os.environ holds a child's `env` only while it is spawned
 
@@ -109,7 +108,7 @@ class ProcessEngine:
         self._ids = itertools.count()
         self._gone: str | None = None  # why no call can be made any more
         self._generating = 0
-        self._updating = False
+        self._updating = 0  # update_weights / load_weight_bucket calls under way
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         if self._updating:
@@ -124,22 +123,29 @@ class ProcessEngine:
         """Load HF-named tensors in the child, bucket by bucket; returns how many the engine reports loaded
         (None where it reports nothing). Refused while any generate() of this engine is in flight, before
         any weight moves; generate() is refused while it runs."""
+        self._refuse_generating()
+        self._updating += 1
+        try:
+            return await load_buckets([self], named_tensors)
+        finally:
+            self._updating -= 1
+
+    async def load_weight_bucket(self, payload: bytes) -> int | None:
+        """One bucket as safetensors bytes (engine/__init__.py's `bucket_bytes`), loaded in the child: how
+        EnginePool sends one encoding to several processes. `weights_loaded()` follows the last bucket."""
+        self._refuse_generating()
+        self._updating += 1
+        try:
+            return await self.call("_load_weights", payload)
+        finally:
+            self._updating -= 1
+
+    async def weights_loaded(self) -> None:
+        await self.call("_weights_loaded")
+
+    def _refuse_generating(self) -> None:
         if self._generating:
             raise RuntimeError(f"{self._generating} requests are still generating: {BETWEEN_ROLLOUTS}")
-        from safetensors.torch import save
-
-        self._updating = True
-        try:
-            total: int | None = None
-            for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
-                payload = save({name: _alone_on_cpu(t) for name, t in bucket})
-                count = await self.call("_load_weights", payload)
-                if count is not None:
-                    total = (total or 0) + count
-            await self.call("_weights_loaded")
-            return total
-        finally:
-            self._updating = False
 
     async def sleep(self, level: int = 1) -> None:
         await self.call("sleep", level=level)
@@ -231,12 +237,6 @@ class ProcessEngine:
         for _, future in self._pending.values():
             if not future.done() and not future.get_loop().is_closed():
                 future.set_exception(EngineClosed(self._gone))
-
-
-def _alone_on_cpu(tensor: Any) -> Any:
-    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses views that share storage)."""
-    t = tensor.detach().to("cpu").contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def _frame(rid: int, message: Any) -> bytes:
@@ -336,7 +336,7 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
     tasks: dict[int, asyncio.Task] = {}
     cancelled: set[int] = set()  # calls the parent cancelled: they get no answer
 
-    takes_bytes = callable(getattr(engine, "load_weight_bucket", None))
+    takes_bytes = takes_buckets(engine)
 
     async def load_weights(payload: bytes) -> Any:
         if takes_bytes:
@@ -346,8 +346,8 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
         return await maybe_await(engine.update_weights(list(load(payload).items())))
 
     async def weights_loaded() -> None:
-        if takes_bytes and callable(getattr(engine, "reset_prefix_cache", None)):
-            await maybe_await(engine.reset_prefix_cache())  # its cached KV was computed with the old weights
+        if takes_bytes:
+            await maybe_await(engine.weights_loaded())  # e.g. vLLM's prefix cache, computed with the old weights
 
     async def run(rid: int, method: str, args: tuple, kw: dict) -> None:
         try:

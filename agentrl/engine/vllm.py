@@ -23,10 +23,13 @@ graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop
 wait, the other trajectories' steps run with fewer sequences, which costs little where steps are bound by
 per-sequence host work, as they are for small models.
 
-The frontend's per-step work is what saturates its process at a rollout's concurrency (BENCHMARKS.md,
-rollout run 8), so requests without stop strings skip detokenisation, and `log_stats=False` turns off
-vLLM's stats (per step and per request, Prometheus metrics) there; engine/process.py moves the whole frontend off the
-rollout's event loop.
+The frontend's per-step work (per running request: detokenising, stop strings, logprobs, stats) is one
+Python event loop per engine, and at a rollout's concurrency it saturates its process (BENCHMARKS.md,
+rollout run 8). So requests without stop strings skip detokenisation, `log_stats=False` turns off vLLM's
+stats there, and `vllm_processes(model, 2)` runs two engines on the GPU, each in a process of its own
+(engine/process.py) behind one EnginePool (pool.py): each frontend carries half the requests. On one H200
+that took the async multi-turn loop from 0.80x to 0.94x plain generation (rollout run 9); it is the
+setting for a rollout of hundreds of concurrent trajectories.
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
@@ -43,12 +46,14 @@ import os
 import uuid
 import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, bucket_by_bytes
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets
+
+if TYPE_CHECKING:
+    from agentrl.engine.pool import EnginePool
 
 WORKER_EXTENSION = "agentrl.engine.vllm_worker.WeightUpdateExtension"
-BUCKET_BYTES = 256 << 20  # weights travel in buckets of about this size: bounded host memory per RPC
 
 
 class VLLMEngine:
@@ -140,21 +145,18 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
         """Load HF-named tensors into every worker in place, bucket by bucket; returns how many."""
-        from safetensors.torch import save
-
-        count = 0
-        for bucket in bucket_by_bytes(named_tensors, BUCKET_BYTES):
-            count += await self.load_weight_bucket(save({name: t.detach().to("cpu").contiguous() for name, t in bucket}))
-        await self.reset_prefix_cache()  # cached KV was computed with the old weights
-        return count
+        return int(await load_buckets([self], named_tensors) or 0)
 
     async def load_weight_bucket(self, payload: bytes) -> int:
-        """One bucket of HF-named tensors as safetensors bytes, loaded in every worker as it is (engine/process.py
-        sends weights so, and they cross no second encoding); returns how many tensors. The caller resets the
-        prefix cache after the last bucket."""
+        """One bucket of HF-named tensors as safetensors bytes, loaded in every worker as it is (process.py and
+        pool.py send weights so, and they cross no second encoding); returns how many tensors. Then
+        `weights_loaded()` after the last bucket."""
         self._refuse_in_flight()  # before this bucket moves: for update_weights, before the first one
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
+
+    async def weights_loaded(self) -> None:
+        await self.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def _refuse_in_flight(self) -> None:
         if self._in_flight:  # for every replica (vLLM answers for the first)
@@ -189,3 +191,29 @@ def _sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
     if flat is not None and len(flat) == len(ids) and list(logprobs.token_ids) == ids:
         return [float(x) for x in flat]
     return [float(position[token].logprob) for position, token in zip(logprobs, ids, strict=True)]
+
+
+def vllm_processes(model: str, processes: int = 2, *, gpu_memory_utilization: float = 0.85,
+                   env: dict[str, str] | None = None, start_timeout_s: float = 900.0,
+                   factory: type[VLLMEngine] | None = None, **engine_kwargs: Any) -> EnginePool:
+    """`processes` VLLMEngines over the same GPU(s), each in a process of its own (engine/process.py), behind one
+    EnginePool (pool.py): several frontends share the work that saturates one (BENCHMARKS.md, rollout run 9).
+    `gpu_memory_utilization` is split evenly between them; they start one after another, each sizing its KV
+    cache from the memory the earlier ones left. `factory` is VLLMEngine or a subclass (the bench's)."""
+    from agentrl.engine.pool import EnginePool
+    from agentrl.engine.process import ProcessEngine
+
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    kwargs = dict(engine_kwargs, model=model, gpu_memory_utilization=gpu_memory_utilization / processes)
+    engines: list[ProcessEngine] = []
+    try:
+        for _ in range(processes):
+            engines.append(ProcessEngine(factory or VLLMEngine, kwargs, env=env, start_timeout_s=start_timeout_s))
+    except BaseException:
+        for engine in engines:  # no event loop has used them yet: end each child through its socket
+            engine._finalizer()  # noqa: SLF001
+        raise
+    return EnginePool(engines)

@@ -22,8 +22,7 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install agentrl[gpu])")
 
 from agentrl.engine import Sampling  # noqa: E402
 from agentrl.engine.hf import HFEngine  # noqa: E402
-from agentrl.engine.process import ProcessEngine  # noqa: E402
-from agentrl.engine.vllm import VLLMEngine  # noqa: E402
+from agentrl.engine.vllm import VLLMEngine, vllm_processes  # noqa: E402
 from tests.gpu.vllm_models import two_models_and_prompts  # noqa: E402
 
 N_PROMPTS, NEW_TOKENS = 64, 32
@@ -107,26 +106,29 @@ def test_weight_update_in_place_then_sleep_and_wake(setup):
     print(f"free while asleep: {free_asleep / 2**30:.1f} GiB")
 
 
-def test_vllm_in_a_process_of_its_own(setup):
-    """engine/process.py around VLLMEngine: the same answers as HF, weights updated through the child, the
-    prefix cache reset there, and the child gone after aclose."""
+def test_two_vllm_processes_behind_one_pool(setup):
+    """vllm_processes: two VLLMEngines, each in a process of its own (engine/process.py), behind one
+    EnginePool: the same answers as HF from both, weights updated in both (one encoding per bucket), the
+    prefix cache reset there, and both children gone after aclose."""
     s = setup
     loop = s["loop"]
     greedy = Sampling(max_tokens=NEW_TOKENS, temperature=0)
-    child = ProcessEngine(VLLMEngine, dict(model=s["path_a"], dtype="float32", gpu_memory_utilization=0.3,
-                                           max_model_len=2048, enforce_eager=True))
+    pool = vllm_processes(s["path_a"], 2, dtype="float32", gpu_memory_utilization=0.5, max_model_len=2048,
+                          enforce_eager=True)
     try:
-        assert child.max_context_tokens == 2048
+        assert pool.max_context_tokens == 2048
+        assert len({id(pool.pick(f"s{i}")) for i in range(16)}) == 2  # generate_all's sessions reach both
         for hf in ("hf_a", "hf_b"):
             if hf == "hf_b":
-                assert loop.run_until_complete(child.update_weights(s["hf_b"].named_parameters())) == \
+                assert loop.run_until_complete(pool.update_weights(s["hf_b"].named_parameters())) == \
                     len(list(s["hf_b"].named_parameters()))
-            ours = generate_all(loop, child, s["prompts"][:16], greedy)
+            ours = generate_all(loop, pool, s["prompts"][:16], greedy)
             theirs = generate_all(loop, HFEngine(s[hf], s["tok"], max_batch=16), s["prompts"][:16], greedy)
             same = sum(a.token_ids == b.token_ids for a, b in zip(ours, theirs, strict=True))
-            print(f"\nvLLM in a child process vs HF ({hf}): identical greedy ids {same}/16")
+            print(f"\ntwo vLLM processes vs HF ({hf}): identical greedy ids {same}/16")
             assert same >= 15
-        loop.run_until_complete(child.call("reset_prefix_cache"))
+        for engine in pool.engines:
+            loop.run_until_complete(engine.call("reset_prefix_cache"))
     finally:
-        loop.run_until_complete(child.aclose())
-    assert child.process.exitcode == 0
+        loop.run_until_complete(pool.aclose())
+    assert all(e.process.exitcode == 0 for e in pool.engines)
