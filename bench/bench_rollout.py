@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.engine import Completion, Sampling
+from agentrl.engine import Completion, Sampling, maybe_await
 from agentrl.engine.pool import EnginePool
-from agentrl.engine.process import ProcessEngine, maybe_await
+from agentrl.engine.process import ProcessEngine
 from agentrl.engine.vllm import VLLMEngine, vllm_processes
 from agentrl.rollout import RolloutConfig, rollout
 from agentrl.task import Budgets

@@ -4,11 +4,12 @@ to every engine, answers the same as one engine's, and every engine closed."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
 
-from agentrl.engine import Sampling
+from agentrl.engine import Completion, Sampling
 from agentrl.engine.hf import HFEngine
 from agentrl.engine.pool import EnginePool
 from agentrl.engine.process import ProcessEngine
@@ -26,15 +27,148 @@ async def _answers(engine, tokenizer, sampling, sessions):
                                   for p, s in zip(PROMPTS * 2, sessions, strict=True)))
 
 
+class Recorder:
+    """An in-process engine that records what reaches it; bucket loads can be held at a gate or fail."""
+
+    def __init__(self, name: str, max_context_tokens: int | None = 100, fail_bucket: int | None = None):
+        self.name, self.max_context_tokens, self.fail_bucket = name, max_context_tokens, fail_bucket
+        self.sessions: list[str | None] = []
+        self.buckets: list[bytes] = []
+        self.loaded = self.slept = self.woke = self.started = 0
+        self.gate: asyncio.Event | None = None  # bucket loads from bucket `gate_from` on wait for it where set
+        self.gate_from = 0
+        self.hold: asyncio.Event | None = None  # requests wait for it where set
+        self.loading = asyncio.Event()  # set when a bucket load has begun
+
+    async def generate(self, prompt_ids, sampling, *, session=None):
+        self.sessions.append(session)
+        if self.hold is not None:
+            await self.hold.wait()
+        return Completion(list(prompt_ids), [0.0] * len(prompt_ids), "stop")
+
+    async def load_weight_bucket(self, payload: bytes) -> int:
+        self.loading.set()
+        self.started += 1
+        if self.gate is not None and len(self.buckets) >= self.gate_from:
+            await self.gate.wait()
+        if self.fail_bucket == len(self.buckets):
+            raise OSError(f"{self.name} could not load bucket {self.fail_bucket}")
+        self.buckets.append(payload)
+        return 1
+
+    def weights_loaded(self) -> None:
+        self.loaded += 1
+
+    async def sleep(self, level: int = 1) -> None:
+        self.slept += 1
+
+    def wake(self) -> None:  # a plain method: awaited only where it returns an awaitable
+        self.woke += 1
+
+
 def test_sessions_stick_to_one_engine_and_spread_over_all() -> None:
-    engines = [ProbeEngine(), ProbeEngine(), ProbeEngine()]
+    engines = [Recorder("a"), Recorder("b", max_context_tokens=40), Recorder("c", max_context_tokens=None)]
     pool = EnginePool(engines)
+    assert pool.max_context_tokens == 40  # the smallest limit any engine has
     chosen = {f"traj-{i}/0": pool.pick(f"traj-{i}/0") for i in range(30)}
     assert all(pool.pick(s) is e for s, e in chosen.items())  # every turn of a trajectory: the same engine
     assert {id(e) for e in chosen.values()} == {id(e) for e in engines}
     assert [pool.pick(None) for _ in range(4)] == [engines[0], engines[1], engines[2], engines[0]]
+
+    async def go():
+        for s in chosen:
+            await pool.generate([1], Sampling(max_tokens=1), session=s)
+        await pool.sleep()
+        await pool.wake()
+
+    asyncio.run(go())
+    for e in engines:  # each request reached the engine pick() names for its session
+        assert e.sessions == [s for s, chosen_engine in chosen.items() if chosen_engine is e]
+        assert (e.slept, e.woke) == (1, 1)
+    assert EnginePool([Recorder("a", None)]).max_context_tokens is None
     with pytest.raises(ValueError, match="at least one engine"):
         EnginePool([])
+
+
+def test_an_update_waits_for_no_one_and_no_one_generates_during_it(monkeypatch) -> None:
+    import agentrl.engine
+
+    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    engines = [Recorder("a"), Recorder("b")]
+    pool = EnginePool(engines)
+    weights = [("w", torch.ones(2)), ("v", torch.zeros(2))]  # two buckets
+
+    async def go():
+        engine = pool.pick("s")
+        engine.hold = asyncio.Event()
+        running = asyncio.create_task(pool.generate([1], Sampling(max_tokens=1), session="s"))
+        while not engine.sessions:  # until the request has reached its engine
+            await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="1 requests are still generating"):
+            await pool.update_weights(weights)
+        assert engines[0].buckets == engines[1].buckets == []  # refused before any weight moved
+        engine.hold.set()
+        await running
+        engines[0].gate = asyncio.Event()
+        update = asyncio.create_task(pool.update_weights(weights))
+        await asyncio.wait_for(engines[0].loading.wait(), 30)  # the first bucket is loading: held at the gate
+        with pytest.raises(RuntimeError, match="during update_weights"):
+            await pool.generate([1], Sampling(max_tokens=1), session="s")
+        with pytest.raises(RuntimeError, match="one update at a time"):
+            await pool.update_weights(weights)
+        engines[0].gate.set()
+        assert await asyncio.wait_for(update, 30) == 2
+        return await pool.generate([1], Sampling(max_tokens=1), session="s")
+
+    assert asyncio.run(go()).token_ids == [1]
+    assert [len(e.buckets) for e in engines] == [2, 2] and [e.loaded for e in engines] == [1, 1]
+
+
+def test_a_failed_update_settles_every_engine_and_blocks_generation_until_one_succeeds(monkeypatch) -> None:
+    import agentrl.engine
+
+    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    engines = [Recorder("a", fail_bucket=1), Recorder("b")]
+    pool = EnginePool(engines)
+    weights = [("w", torch.ones(2)), ("v", torch.zeros(2)), ("u", torch.ones(2))]  # three buckets
+
+    async def go():
+        engines[1].gate, engines[1].gate_from = asyncio.Event(), 1  # b finishes bucket 1 only after a failed it
+        update = asyncio.create_task(pool.update_weights(weights))
+        while engines[1].started < 2:  # b is on bucket 1, held
+            await asyncio.sleep(0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not update.done()  # a has failed, but the update waits for b to settle
+        engines[1].gate.set()
+        with pytest.raises(OSError, match="a could not load bucket 1"):
+            await update
+        assert [len(e.buckets) for e in engines] == [1, 2]  # b finished the bucket a failed; none went further
+        assert [e.loaded for e in engines] == [0, 0]  # the update never completed
+        with pytest.raises(RuntimeError, match="mix of old and new weights"):
+            await pool.generate([1], Sampling(max_tokens=1), session="s")
+        engines[0].fail_bucket = None
+        assert await pool.update_weights(weights) == 3
+        return await pool.generate([1], Sampling(max_tokens=1), session="s")
+
+    assert asyncio.run(go()).token_ids == [1]
+
+
+def test_both_engines_load_a_bucket_at_once(monkeypatch) -> None:
+    engines = [Recorder("a"), Recorder("b")]
+    pool = EnginePool(engines)
+
+    async def go():
+        for e in engines:
+            e.gate = asyncio.Event()
+        update = asyncio.create_task(pool.update_weights([("w", torch.ones(2))]))
+        # both loads begin before either may finish: one after the other would never start b's
+        await asyncio.wait_for(asyncio.gather(*(e.loading.wait() for e in engines)), 30)
+        for e in engines:
+            e.gate.set()
+        return await update
+
+    assert asyncio.run(go()) == 1
 
 
 def test_two_engine_processes_answer_as_one_engine_and_take_new_weights(models, tiny_tokenizer) -> None:
@@ -109,3 +243,40 @@ def test_aclose_closes_every_engine_even_when_one_fails(tmp_path) -> None:
         asyncio.run(pool.aclose())
     assert marker.read_text() == "closed\n"
     assert not any(e.process.is_alive() for e in pool.engines)
+
+
+class StartProbe:
+    """Made by vllm_processes in each child: records its memory share; the second fails where told to."""
+
+    max_context_tokens = 7
+
+    def __init__(self, model: str, gpu_memory_utilization: float, marker_dir: str, fail_second: bool = False):
+        root = Path(marker_dir)
+        n = len(list(root.glob("started-*")))  # the children start one after another
+        if n and fail_second:
+            raise RuntimeError("the second engine could not start")
+        (root / f"started-{n}").write_text(f"{model} {gpu_memory_utilization}")
+        self.closed = root / f"closed-{n}"
+
+    async def aclose(self) -> None:
+        self.closed.write_text("closed")
+
+
+def test_vllm_processes_splits_the_memory_and_ends_started_children_when_one_fails(tmp_path) -> None:
+    from agentrl.engine.vllm import vllm_processes
+
+    ok, failed = tmp_path / "ok", tmp_path / "failed"
+    ok.mkdir(), failed.mkdir()
+    pool = vllm_processes("m", 2, gpu_memory_utilization=0.8, factory=StartProbe, marker_dir=str(ok))
+    assert [(ok / f"started-{i}").read_text() for i in range(2)] == ["m 0.4", "m 0.4"]
+    assert pool.max_context_tokens == 7 and all(isinstance(e, ProcessEngine) for e in pool.engines)
+    asyncio.run(pool.aclose())
+    assert sorted(p.name for p in ok.glob("closed-*")) == ["closed-0", "closed-1"]
+    with pytest.raises(RuntimeError, match="could not make") as info:
+        vllm_processes("m", 2, factory=StartProbe, marker_dir=str(failed), fail_second=True)
+    assert "the second engine could not start" in str(info.value.__cause__)
+    assert (failed / "closed-0").read_text() == "closed"  # the first child closed its engine and ended
+    with pytest.raises(ValueError, match="processes must be at least 1"):
+        vllm_processes("m", 0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        vllm_processes("m", 2, gpu_memory_utilization=1.5)

@@ -414,11 +414,13 @@ def test_generation_is_refused_while_weights_load() -> None:
         loading = asyncio.create_task(engine.update_weights([("w", torch.zeros(2))]))
         await _until(engine, (1, 0))
         with pytest.raises(RuntimeError, match="generate between weight updates"):
-            await engine.generate([1], Sampling(max_tokens=1))
+            await asyncio.wait_for(engine.generate([1], Sampling(max_tokens=1)), 30)  # a bound: refused at once
         loading.cancel()
         with pytest.raises(asyncio.CancelledError):
             await loading
-        assert engine._updating == 0  # a cancelled update leaves generation allowed again
+        waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))  # allowed again after it
+        await _until(engine, (2, 0))  # the load and this request have reached the child
+        waiting.cancel()
         await engine.aclose()
 
     asyncio.run(go())

@@ -11,12 +11,14 @@ RL default, nothing is cut), with temperature 1 for greedy decoding. They are th
 the learner's importance-sampling correction needs.
 
 Implementations: hf.py (transformers; CPU and GPU; the test double and small runs) and vllm.py (vLLM
-AsyncLLM; GPU). `update_weights`, `sleep` and `wake` are there for weight_sync.py and colocated training.
+AsyncLLM; GPU); process.py runs any engine in a process of its own, pool.py puts several behind one.
+`update_weights`, `sleep` and `wake` are there for weight_sync.py and colocated training.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -130,15 +132,33 @@ def takes_buckets(engine: object) -> bool:
 async def load_buckets(engines: Sequence[Any], named_tensors: Iterable[tuple[str, Any]]) -> int | None:
     """Send HF-named tensors to engines that take buckets (`takes_buckets`), each bucket encoded once and
     loaded by all of them at once, then `weights_loaded()` on each; returns how many tensors the first
-    engine reports loaded (None where it reports nothing)."""
+    engine reports loaded (None where it reports nothing). If an engine fails a bucket, the others finish
+    that bucket, no further bucket moves, `weights_loaded()` is not called, and the first error is raised:
+    the engines then hold a mix of old and new weights until an update succeeds."""
     total: int | None = None
     for bucket in bucket_by_bytes(named_tensors):
         payload = bucket_bytes(bucket)
-        counts = await asyncio.gather(*(e.load_weight_bucket(payload) for e in engines))
+        counts = await asyncio.gather(*(maybe_await(e.load_weight_bucket(payload)) for e in engines),
+                                      return_exceptions=True)
+        raise_first(counts)
         if counts[0] is not None:
             total = (total or 0) + counts[0]
-    await asyncio.gather(*(e.weights_loaded() for e in engines))
+    raise_first(await asyncio.gather(*(maybe_await(e.weights_loaded()) for e in engines), return_exceptions=True))
     return total
+
+
+async def maybe_await(value: Any) -> Any:
+    """`value`, awaited first where it is awaitable (an engine's methods may be plain or coroutines)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+def raise_first(results: Sequence[Any]) -> None:
+    """Raise the first exception among `results` (of a gather with return_exceptions), the others noted on it."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"another engine failed too: {type(other).__name__}: {other}")
+        raise errors[0]
 
 
 def _alone_on_cpu(tensor: Any) -> Any:

@@ -4,14 +4,19 @@ its session key (its earlier turns are in that engine's prefix cache); weights g
 Why several engines on one GPU: vLLM's frontend (detokenising, stop strings, logprobs, the output queues of
 every running request) is one Python event loop per engine. At a rollout's concurrency it saturates its
 core and falls behind the engine core, and a multi-turn loop pays that lag at every turn (BENCHMARKS.md,
-rollout runs 8 and 9). Two engines, each in a process of its own (process.py), halve every frontend's load:
-on one H200 the async loop went from 0.80x plain generation to 0.94x. `vllm.vllm_processes` makes such a
-pool; any engines can be pooled (the tests pool transformers engines).
+rollout runs 8 and 9). With two engines on one H200, each in a process of its own (process.py), the async
+loop ran at 0.94-0.95x plain generation, against 0.75-0.86x with one such engine (rollout run 9).
+`vllm.vllm_processes` makes such a pool; any engines can be pooled (the tests pool transformers engines).
 
-A session always maps to the same engine (crc32 of the key), so routing needs no state and survives
-restarts; requests without a session go round the engines in turn. `update_weights` encodes each bucket
-once and loads it into every engine at once where they take safetensors buckets (VLLMEngine and
-ProcessEngine do; engine/__init__.py's `load_buckets`), else hands each engine each bucket.
+A session always maps to the same engine (crc32 of the key), so routing needs no state; requests without a
+session go round the engines in turn. The rollout's key is per trajectory, so the samples of one prompt
+spread over the engines (each engine then prefills that prompt once): that balances the engines' load.
+
+Weights: `update_weights` is refused while any request routed through the pool runs, before any weight
+moves, and `generate` is refused while it runs. Where the engines take safetensors buckets (VLLMEngine and
+ProcessEngine do; engine/__init__.py's `load_buckets`) each bucket is encoded once and loaded by all at
+once, else each engine gets each bucket in turn. If an engine fails part-way, the engines hold a mix of old
+and new weights: the error is raised, and `generate` is refused until an update succeeds.
 """
 
 from __future__ import annotations
@@ -22,8 +27,16 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.engine import Completion, Sampling, bucket_by_bytes, load_buckets, takes_buckets
-from agentrl.engine.process import maybe_await
+from agentrl.engine import (
+    BETWEEN_ROLLOUTS,
+    Completion,
+    Sampling,
+    bucket_by_bytes,
+    load_buckets,
+    maybe_await,
+    raise_first,
+    takes_buckets,
+)
 
 
 class EnginePool:
@@ -31,9 +44,12 @@ class EnginePool:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         self.engines = list(engines)
-        limits = [e.max_context_tokens for e in self.engines if e.max_context_tokens is not None]
+        limits = [x for e in self.engines if (x := getattr(e, "max_context_tokens", None)) is not None]
         self.max_context_tokens: int | None = min(limits) if limits else None
         self._turn = itertools.count()
+        self._generating = 0
+        self._updating = False
+        self._mixed: str | None = None  # why the engines' weights are not one model's (a failed update)
 
     def pick(self, session: str | None) -> Any:
         """The engine for `session`: always the same one for a key; round-robin without one."""
@@ -42,29 +58,52 @@ class EnginePool:
         return self.engines[zlib.crc32(session.encode()) % len(self.engines)]
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
-        return await self.pick(session).generate(prompt_ids, sampling, session=session)
+        if self._updating:
+            raise RuntimeError("generate() during update_weights(): generate between weight updates")
+        if self._mixed is not None:
+            raise RuntimeError(f"the engines hold a mix of old and new weights ({self._mixed}): update them again")
+        self._generating += 1
+        try:
+            return await self.pick(session).generate(prompt_ids, sampling, session=session)
+        finally:
+            self._generating -= 1
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int | None:
         """Every engine gets every tensor; returns how many the first engine reports loaded (None where it
-        reports nothing). Call it between rollouts, as for one engine."""
+        reports nothing)."""
+        if self._generating:
+            raise RuntimeError(f"{self._generating} requests are still generating: {BETWEEN_ROLLOUTS}")
+        if self._updating:
+            raise RuntimeError("update_weights() while another update runs: one update at a time")
+        self._updating = True
+        try:
+            total = await self._load(named_tensors)
+        except BaseException as e:
+            self._mixed = f"update_weights() failed: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self._updating = False
+        self._mixed = None
+        return total
+
+    async def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> int | None:
         if all(takes_buckets(e) for e in self.engines):
             return await load_buckets(self.engines, named_tensors)
         total: int | None = None
         for bucket in bucket_by_bytes(named_tensors):
-            counts = await asyncio.gather(*(e.update_weights(bucket) for e in self.engines))
+            counts = await asyncio.gather(*(e.update_weights(bucket) for e in self.engines), return_exceptions=True)
+            raise_first(counts)
             if counts[0] is not None:
                 total = (total or 0) + counts[0]
         return total
 
     async def sleep(self, level: int = 1) -> None:
-        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+        """Every engine's sleep (engines without one, such as HFEngine, fail with AttributeError)."""
+        raise_first(await asyncio.gather(*(maybe_await(e.sleep(level)) for e in self.engines), return_exceptions=True))
 
     async def wake(self) -> None:
-        await asyncio.gather(*(e.wake() for e in self.engines))
+        raise_first(await asyncio.gather(*(maybe_await(e.wake()) for e in self.engines), return_exceptions=True))
 
     async def aclose(self) -> None:
-        """Close every engine, even when one fails to; the first failure is raised after."""
-        results = await asyncio.gather(*(maybe_await(e.aclose()) for e in self.engines), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        """Close every engine, even when one fails to; the first failure is raised after, the others noted on it."""
+        raise_first(await asyncio.gather(*(maybe_await(e.aclose()) for e in self.engines), return_exceptions=True))

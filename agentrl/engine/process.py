@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import importlib
-import inspect
 import itertools
 import multiprocessing
 import os
@@ -44,7 +43,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, takes_buckets
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, maybe_await, takes_buckets
 
 _HEADER = struct.Struct("!QQ")  # payload bytes, call id
 CLOSE_TIMEOUT_S = 120.0  # for the engine in the child to close before the process is ended
@@ -404,7 +403,3 @@ async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
             await writer.drain()
         writer.close()
 
-
-async def maybe_await(value: Any) -> Any:
-    """`value`, awaited first where it is awaitable (an engine's methods may be plain or coroutines)."""
-    return await value if inspect.isawaitable(value) else value

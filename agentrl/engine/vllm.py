@@ -27,9 +27,9 @@ The frontend's per-step work (per running request: detokenising, stop strings, l
 Python event loop per engine, and at a rollout's concurrency it saturates its process (BENCHMARKS.md,
 rollout run 8). So requests without stop strings skip detokenisation, `log_stats=False` turns off vLLM's
 stats there, and `vllm_processes(model, 2)` runs two engines on the GPU, each in a process of its own
-(engine/process.py) behind one EnginePool (pool.py): each frontend carries half the requests. On one H200
-that took the async multi-turn loop from 0.80x to 0.94x plain generation (rollout run 9); it is the
-setting for a rollout of hundreds of concurrent trajectories.
+(engine/process.py) behind one EnginePool (pool.py), each frontend with half the requests. On one H200,
+256 concurrent trajectories of a 1.5B model, that took the async multi-turn loop from 0.75-0.86x to
+0.94-0.95x plain generation (rollout run 9).
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
@@ -197,9 +197,10 @@ def vllm_processes(model: str, processes: int = 2, *, gpu_memory_utilization: fl
                    env: dict[str, str] | None = None, start_timeout_s: float = 900.0,
                    factory: type[VLLMEngine] | None = None, **engine_kwargs: Any) -> EnginePool:
     """`processes` VLLMEngines over the same GPU(s), each in a process of its own (engine/process.py), behind one
-    EnginePool (pool.py): several frontends share the work that saturates one (BENCHMARKS.md, rollout run 9).
-    `gpu_memory_utilization` is split evenly between them; they start one after another, each sizing its KV
-    cache from the memory the earlier ones left. `factory` is VLLMEngine or a subclass (the bench's)."""
+    EnginePool (pool.py): several frontends (and engine cores) share the work that saturates one
+    (BENCHMARKS.md, rollout run 9). `gpu_memory_utilization` is split evenly between them; they start one after
+    another, since vLLM checks at start that an engine's share of the GPU's memory is free. `factory` is
+    VLLMEngine or a subclass (the bench's)."""
     from agentrl.engine.pool import EnginePool
     from agentrl.engine.process import ProcessEngine
 
