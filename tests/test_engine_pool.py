@@ -66,6 +66,14 @@ class Recorder:
         self.woke += 1
 
 
+async def _until(condition, bound_s: float = 30.0) -> None:
+    """Yield to the loop until `condition()` holds (a bound, not a timing: fails after `bound_s`)."""
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0)
+
+
 def test_sessions_stick_to_one_engine_and_spread_over_all() -> None:
     engines = [Recorder("a"), Recorder("b", max_context_tokens=40), Recorder("c", max_context_tokens=None)]
     pool = EnginePool(engines)
@@ -102,8 +110,7 @@ def test_an_update_waits_for_no_one_and_no_one_generates_during_it(monkeypatch) 
         engine = pool.pick("s")
         engine.hold = asyncio.Event()
         running = asyncio.create_task(pool.generate([1], Sampling(max_tokens=1), session="s"))
-        while not engine.sessions:  # until the request has reached its engine
-            await asyncio.sleep(0)
+        await _until(lambda: engine.sessions)  # the request has reached its engine
         with pytest.raises(RuntimeError, match="1 requests are still generating"):
             await pool.update_weights(weights)
         assert engines[0].buckets == engines[1].buckets == []  # refused before any weight moved
@@ -135,8 +142,7 @@ def test_a_failed_update_settles_every_engine_and_blocks_generation_until_one_su
     async def go():
         engines[1].gate, engines[1].gate_from = asyncio.Event(), 1  # b finishes bucket 1 only after a failed it
         update = asyncio.create_task(pool.update_weights(weights))
-        while engines[1].started < 2:  # b is on bucket 1, held
-            await asyncio.sleep(0)
+        await _until(lambda: engines[1].started == 2)  # b is on bucket 1, held
         for _ in range(10):
             await asyncio.sleep(0)
         assert not update.done()  # a has failed, but the update waits for b to settle
@@ -280,3 +286,89 @@ def test_vllm_processes_splits_the_memory_and_ends_started_children_when_one_fai
         vllm_processes("m", 0)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         vllm_processes("m", 2, gpu_memory_utilization=1.5)
+
+
+class TensorTaker:
+    """Takes weights as tensors only (no buckets, as HFEngine); fails at bucket `fail_at` where set."""
+
+    max_context_tokens = None
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.buckets = fail_at, []
+
+    async def update_weights(self, bucket):
+        if self.fail_at == len(self.buckets):
+            raise OSError("could not take these tensors")
+        await asyncio.sleep(0)  # the other engine's call runs meanwhile
+        self.buckets.append([name for name, _ in bucket])
+
+    async def generate(self, prompt_ids, sampling, *, session=None):
+        return Completion(list(prompt_ids), [0.0] * len(prompt_ids), "stop")
+
+
+def test_tensor_taking_engines_settle_a_failed_bucket_and_a_cancelled_update_blocks_generation(monkeypatch) -> None:
+    import agentrl.engine
+
+    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    engines = [TensorTaker(fail_at=1), TensorTaker()]
+    pool = EnginePool(engines)
+    weights = [("w", torch.ones(2)), ("v", torch.zeros(2)), ("u", torch.ones(2))]
+
+    async def go():
+        with pytest.raises(OSError, match="could not take"):
+            await pool.update_weights(weights)
+        assert [e.buckets for e in engines] == [[["w"]], [["w"], ["v"]]]  # b finished bucket 1; no bucket 2
+        with pytest.raises(RuntimeError, match="mix of old and new weights"):
+            await pool.generate([1], Sampling(max_tokens=1))
+        engines[0].fail_at = None
+        await pool.update_weights(weights)
+        await pool.generate([1], Sampling(max_tokens=1))
+        held = [Recorder("a"), Recorder("b")]
+        other = EnginePool(held)
+        held[0].gate = asyncio.Event()
+        update = asyncio.create_task(other.update_weights(weights))
+        await _until(lambda: held[0].started == 1)
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        with pytest.raises(RuntimeError, match="mix of old and new weights"):  # a cancelled update counts as failed
+            await other.generate([1], Sampling(max_tokens=1))
+
+    asyncio.run(go())
+
+
+class PlainCloseFails:
+    max_context_tokens = None
+
+    def aclose(self) -> None:
+        raise OSError("plain close failed")
+
+
+class CancelledInside:
+    max_context_tokens = None
+
+    def __init__(self):
+        self.closed = False
+
+    async def sleep(self, level: int = 1) -> None:
+        raise asyncio.CancelledError  # cancelled inside the engine, not by the caller
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_one_engine_failing_at_once_stops_no_other_and_errors_come_first() -> None:
+    async def go():
+        inside = CancelledInside()
+        with pytest.raises(OSError, match="plain close failed"):
+            await EnginePool([PlainCloseFails(), inside]).aclose()
+        assert inside.closed  # closed although the first engine's plain aclose raised before any await
+        with pytest.raises(RuntimeError, match="cancelled inside an engine"):
+            await EnginePool([inside]).sleep()  # not a CancelledError: the caller was not cancelled
+        failing = Recorder("f")
+        failing.sleep = None  # an engine without sleep: its TypeError comes before the cancellation's error
+        with pytest.raises(TypeError) as info:
+            await EnginePool([inside, failing]).sleep()
+        assert any("cancelled inside an engine" in note for note in info.value.__notes__)
+
+    asyncio.run(go())

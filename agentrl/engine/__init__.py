@@ -138,12 +138,10 @@ async def load_buckets(engines: Sequence[Any], named_tensors: Iterable[tuple[str
     total: int | None = None
     for bucket in bucket_by_bytes(named_tensors):
         payload = bucket_bytes(bucket)
-        counts = await asyncio.gather(*(maybe_await(e.load_weight_bucket(payload)) for e in engines),
-                                      return_exceptions=True)
-        raise_first(counts)
+        counts = raise_first(await on_each(engines, lambda e, p=payload: e.load_weight_bucket(p)))
         if counts[0] is not None:
             total = (total or 0) + counts[0]
-    raise_first(await asyncio.gather(*(maybe_await(e.weights_loaded()) for e in engines), return_exceptions=True))
+    raise_first(await on_each(engines, lambda e: e.weights_loaded()))
     return total
 
 
@@ -152,13 +150,28 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def raise_first(results: Sequence[Any]) -> None:
-    """Raise the first exception among `results` (of a gather with return_exceptions), the others noted on it."""
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        for other in errors[1:]:
+async def on_each(engines: Sequence[Any], call: Any) -> list[Any]:
+    """`call(engine)` for every engine at once, awaited where it returns an awaitable: each result, or the
+    exception it raised, in engine order. One engine's failure (even raised before any await) stops no other."""
+    async def one(engine: Any) -> Any:
+        return await maybe_await(call(engine))
+
+    return await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+
+
+def raise_first(results: Sequence[Any]) -> list[Any]:
+    """`results` (of `on_each`) if none is an exception; else raise one, the others noted on it. An error
+    (Exception) comes before anything else, and an engine's own cancellation is raised as a RuntimeError:
+    the caller was not cancelled (asyncio would have raised that to it directly)."""
+    raised = sorted((r for r in results if isinstance(r, BaseException)), key=lambda r: not isinstance(r, Exception))
+    if not raised:  # (sorted is stable: errors first, in engine order)
+        return list(results)
+    errors = [RuntimeError("a call was cancelled inside an engine") if isinstance(r, asyncio.CancelledError) else r
+              for r in raised]
+    for other in errors[1:]:
+        if other is not errors[0]:
             errors[0].add_note(f"another engine failed too: {type(other).__name__}: {other}")
-        raise errors[0]
+    raise errors[0]
 
 
 def _alone_on_cpu(tensor: Any) -> Any:

@@ -15,13 +15,14 @@ spread over the engines (each engine then prefills that prompt once): that balan
 Weights: `update_weights` is refused while any request routed through the pool runs, before any weight
 moves, and `generate` is refused while it runs. Where the engines take safetensors buckets (VLLMEngine and
 ProcessEngine do; engine/__init__.py's `load_buckets`) each bucket is encoded once and loaded by all at
-once, else each engine gets each bucket in turn. If an engine fails part-way, the engines hold a mix of old
-and new weights: the error is raised, and `generate` is refused until an update succeeds.
+once, else each engine gets each bucket in turn. If an update fails or is cancelled part-way, the engines
+may hold a mix of old and new weights: the error is raised, and `generate` is refused until a later update
+succeeds (conservatively: also where nothing had moved yet; and any successful update clears it, so it should
+send every weight).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import zlib
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,7 @@ from agentrl.engine import (
     Sampling,
     bucket_by_bytes,
     load_buckets,
-    maybe_await,
+    on_each,
     raise_first,
     takes_buckets,
 )
@@ -91,19 +92,18 @@ class EnginePool:
             return await load_buckets(self.engines, named_tensors)
         total: int | None = None
         for bucket in bucket_by_bytes(named_tensors):
-            counts = await asyncio.gather(*(e.update_weights(bucket) for e in self.engines), return_exceptions=True)
-            raise_first(counts)
+            counts = raise_first(await on_each(self.engines, lambda e, b=bucket: e.update_weights(b)))
             if counts[0] is not None:
                 total = (total or 0) + counts[0]
         return total
 
     async def sleep(self, level: int = 1) -> None:
         """Every engine's sleep (engines without one, such as HFEngine, fail with AttributeError)."""
-        raise_first(await asyncio.gather(*(maybe_await(e.sleep(level)) for e in self.engines), return_exceptions=True))
+        raise_first(await on_each(self.engines, lambda e: e.sleep(level)))
 
     async def wake(self) -> None:
-        raise_first(await asyncio.gather(*(maybe_await(e.wake()) for e in self.engines), return_exceptions=True))
+        raise_first(await on_each(self.engines, lambda e: e.wake()))
 
     async def aclose(self) -> None:
         """Close every engine, even when one fails to; the first failure is raised after, the others noted on it."""
-        raise_first(await asyncio.gather(*(maybe_await(e.aclose()) for e in self.engines), return_exceptions=True))
+        raise_first(await on_each(self.engines, lambda e: e.aclose()))
