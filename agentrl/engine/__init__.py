@@ -130,19 +130,28 @@ def takes_buckets(engine: object) -> bool:
 
 
 async def load_buckets(engines: Sequence[Any], named_tensors: Iterable[tuple[str, Any]]) -> int | None:
-    """Send HF-named tensors to engines that take buckets (`takes_buckets`), each bucket encoded once and
-    loaded by all of them at once, then `weights_loaded()` on each; returns how many tensors the first
-    engine reports loaded (None where it reports nothing). If an engine fails a bucket, the others finish
-    that bucket, no further bucket moves, `weights_loaded()` is not called, and the first error is raised:
-    the engines then hold a mix of old and new weights until an update succeeds."""
+    """Send HF-named tensors to every engine, bucket by bucket, all engines at once: those that take buckets
+    (`takes_buckets`) get the bucket encoded once, then `weights_loaded()` after the last; the others get it
+    through `update_weights`. Returns how many tensors the first engine reports loaded (None where it reports
+    nothing). If an engine fails a bucket, the others finish that bucket, no further bucket moves,
+    `weights_loaded()` is not called, and the first error is raised: the engines then hold a mix of old and
+    new weights until an update succeeds."""
+    by_bucket = [takes_buckets(e) for e in engines]
     total: int | None = None
     for bucket in bucket_by_bytes(named_tensors):
-        payload = bucket_bytes(bucket)
-        counts = raise_first(await on_each(engines, lambda e, p=payload: e.load_weight_bucket(p)))
+        payload = bucket_bytes(bucket) if any(by_bucket) else None
+        counts = raise_first(await on_each(
+            engines, lambda e, b=bucket, p=payload: e.load_weight_bucket(p) if takes_buckets(e) else e.update_weights(b)))
         if counts[0] is not None:
             total = (total or 0) + counts[0]
-    raise_first(await on_each(engines, lambda e: e.weights_loaded()))
+    raise_first(await on_each([e for e, b in zip(engines, by_bucket, strict=True) if b], lambda e: e.weights_loaded()))
     return total
+
+
+def refuse_in_flight(requests: int) -> None:
+    """An engine's answer to a weight update while `requests` of its requests still run."""
+    if requests:
+        raise RuntimeError(f"{requests} requests are still generating: {BETWEEN_ROLLOUTS}")
 
 
 async def maybe_await(value: Any) -> Any:

@@ -13,9 +13,8 @@ session go round the engines in turn. The rollout's key is per trajectory, so th
 spread over the engines (each engine then prefills that prompt once): that balances the engines' load.
 
 Weights: `update_weights` is refused while any request routed through the pool runs, before any weight
-moves, and `generate` is refused while it runs. Where the engines take safetensors buckets (VLLMEngine and
-ProcessEngine do; engine/__init__.py's `load_buckets`) each bucket is encoded once and loaded by all at
-once, else each engine gets each bucket in turn. If an update fails or is cancelled part-way, the engines
+moves, and `generate` is refused while it runs. Each bucket goes to all engines at once (engine/__init__.py's
+`load_buckets`), encoded once for those that take safetensors buckets (VLLMEngine and ProcessEngine do). If an update fails or is cancelled part-way, the engines
 may hold a mix of old and new weights: the error is raised, and `generate` is refused until a later update
 succeeds (conservatively: also where nothing had moved yet; and any successful update clears it, so it should
 send every weight).
@@ -29,14 +28,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentrl.engine import (
-    BETWEEN_ROLLOUTS,
     Completion,
     Sampling,
-    bucket_by_bytes,
     load_buckets,
     on_each,
     raise_first,
-    takes_buckets,
+    refuse_in_flight,
 )
 
 
@@ -72,29 +69,18 @@ class EnginePool:
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int | None:
         """Every engine gets every tensor; returns how many the first engine reports loaded (None where it
         reports nothing)."""
-        if self._generating:
-            raise RuntimeError(f"{self._generating} requests are still generating: {BETWEEN_ROLLOUTS}")
+        refuse_in_flight(self._generating)
         if self._updating:
             raise RuntimeError("update_weights() while another update runs: one update at a time")
         self._updating = True
         try:
-            total = await self._load(named_tensors)
+            total = await load_buckets(self.engines, named_tensors)
         except BaseException as e:
             self._mixed = f"update_weights() failed: {type(e).__name__}: {e}"
             raise
         finally:
             self._updating = False
         self._mixed = None
-        return total
-
-    async def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> int | None:
-        if all(takes_buckets(e) for e in self.engines):
-            return await load_buckets(self.engines, named_tensors)
-        total: int | None = None
-        for bucket in bucket_by_bytes(named_tensors):
-            counts = raise_first(await on_each(self.engines, lambda e, b=bucket: e.update_weights(b)))
-            if counts[0] is not None:
-                total = (total or 0) + counts[0]
         return total
 
     async def sleep(self, level: int = 1) -> None:

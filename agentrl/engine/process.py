@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, maybe_await, takes_buckets
+from agentrl.engine import Completion, Sampling, load_buckets, maybe_await, refuse_in_flight, takes_buckets
 
 _HEADER = struct.Struct("!QQ")  # payload bytes, call id
 CLOSE_TIMEOUT_S = 120.0  # for the engine in the child to close before the process is ended
@@ -122,7 +122,7 @@ class ProcessEngine:
         """Load HF-named tensors in the child, bucket by bucket; returns how many the engine reports loaded
         (None where it reports nothing). Refused while any generate() of this engine is in flight, before
         any weight moves; generate() is refused while it runs."""
-        self._refuse_generating()
+        refuse_in_flight(self._generating)
         self._updating += 1
         try:
             return await load_buckets([self], named_tensors)
@@ -132,7 +132,7 @@ class ProcessEngine:
     async def load_weight_bucket(self, payload: bytes) -> int | None:
         """One bucket as safetensors bytes (engine/__init__.py's `bucket_bytes`), loaded in the child: how
         EnginePool sends one encoding to several processes. `weights_loaded()` follows the last bucket."""
-        self._refuse_generating()
+        refuse_in_flight(self._generating)
         self._updating += 1
         try:
             return await self.call("_load_weights", payload)
@@ -141,10 +141,6 @@ class ProcessEngine:
 
     async def weights_loaded(self) -> None:
         await self.call("_weights_loaded")
-
-    def _refuse_generating(self) -> None:
-        if self._generating:
-            raise RuntimeError(f"{self._generating} requests are still generating: {BETWEEN_ROLLOUTS}")
 
     async def sleep(self, level: int = 1) -> None:
         await self.call("sleep", level=level)

@@ -48,7 +48,7 @@ import zlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, refuse_in_flight
 
 if TYPE_CHECKING:
     from agentrl.engine.pool import EnginePool
@@ -151,16 +151,12 @@ class VLLMEngine:
         """One bucket of HF-named tensors as safetensors bytes, loaded in every worker as it is (process.py and
         pool.py send weights so, and they cross no second encoding); returns how many tensors. Then
         `weights_loaded()` after the last bucket."""
-        self._refuse_in_flight()  # before this bucket moves: for update_weights, before the first one
+        refuse_in_flight(self._in_flight)  # every replica's; for update_weights, before the first bucket moves
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
 
     async def weights_loaded(self) -> None:
         await self.reset_prefix_cache()  # cached KV was computed with the old weights
-
-    def _refuse_in_flight(self) -> None:
-        if self._in_flight:  # for every replica (vLLM answers for the first)
-            raise RuntimeError(f"{self._in_flight} requests are still generating: {BETWEEN_ROLLOUTS}")
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix. vLLM refuses (returns False) while requests run: their KV would outlive
