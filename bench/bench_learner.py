@@ -45,9 +45,7 @@ TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
 VARIANTS = {"eager": (False, False, False, "block"), "compiled": (True, False, False, "block"),
             "compiled_keep": (True, False, True, "block"), "compiled_ac": (True, True, False, "block"),
             "eager_ac": (False, True, False, "block"),
-            "compiled_root": (True, False, True, "model"),  # one FSDP unit: no per-block FSDP hooks
-            "compiled_fused": (True, False, True, "model")}  # compiled_root with fuse_projections: an experiment
-FUSED = {"compiled_fused"}
+            "compiled_root": (True, False, True, "model")}  # one FSDP unit: no per-block FSDP hooks
 
 
 @dataclass
@@ -142,43 +140,6 @@ def build_model(setup: Setup, dtype: torch.dtype = torch.float32, attn: str = "s
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
 
 
-def fuse_projections(model: torch.nn.Module) -> int:
-    """An experiment, on Qwen2 models only: each attention computes q, k and v with one GEMM over its three
-    weights concatenated, and each MLP gate and up with one, instead of three and two (fewer launches, and k
-    and v, 256 wide at 1.5B, stop being GEMMs of their own). The parameters stay as they are, so names,
-    FSDP, checkpoints and weight export are unchanged. The concatenation costs a copy of those weights per
-    forward, kept for the backward (about 1.4 GiB in bf16 at 1.5B, in the peak-memory column). Training only:
-    no KV cache. Returns how many modules it patched."""
-    import types
-
-    import torch.nn.functional as F
-    from transformers.models.qwen2 import modeling_qwen2 as q2
-
-    def attention(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
-        if cache is not None:
-            raise ValueError("fuse_projections is for training: no KV cache")
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        fused = F.linear(hidden_states, torch.cat([p.weight for p in projections]), torch.cat([p.bias for p in projections]))
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q, k, v = (x.view(shape).transpose(1, 2) for x in fused.split([p.out_features for p in projections], dim=-1))
-        q, k = q2.apply_rotary_pos_emb(q, k, *position_embeddings)
-        attend = q2.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, q2.eager_attention_forward)
-        out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-                              scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
-
-    def mlp(self, x):
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
-
-    patched = 0
-    for module in model.modules():
-        if isinstance(module, (q2.Qwen2Attention, q2.Qwen2MLP)):
-            module.forward = types.MethodType(attention if isinstance(module, q2.Qwen2Attention) else mlp, module)
-            patched += 1
-    return patched
-
-
 def timed(setup: Setup, step: Callable[[], object], warmup: int, steps: int,
           skip_guards: bool = False) -> tuple[float, float]:
     """(seconds per step, peak GiB allocated on this rank) over `steps` after `warmup`. `skip_guards` times the
@@ -212,11 +173,9 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
     compiled, ac, keep, unit = VARIANTS[name]
     config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep, fsdp_unit=unit,
-                           reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6))
-    model = build_model(setup)
-    if name in FUSED:
-        fuse_projections(model)
-    worker = PolicyWorker(config, AlgoConfig(), model=model)
+                           reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6),
+                           attention_kernel=args.attention)
+    worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
     warmup = 2 if compiled else 1
     rl_rates: dict[int, float] = {}  # budget -> useful tokens/s
     workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
@@ -245,7 +204,7 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
         if is_rl and not skip:
             rl_rates[budget] = total / seconds
     if args.profile:  # last in the process (main allows it with one variant and no baseline only)
-        profile(setup, lambda b=my_batch(setup, workloads[0][1], workloads[0][2]): worker.train_step(b))
+        profile(setup, lambda b=my_batch(setup, workloads[-1][1], workloads[-1][2]): worker.train_step(b))
     if name == args.memory_variant:
         memory_sweep(setup, worker, args)
     return rl_rates  # the worker is freed with this frame (free_memory)
@@ -382,12 +341,14 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--attention", default="flash2", choices=("flash2", "fa4"), help="packed attention kernel")
     parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
                         help="set a boolean torch._dynamo.config option for this run (repeatable)")
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
                         "dynamo's guard checks (same batch, already compiled): what they cost the host; a measurement")
     parser.add_argument("--profile", action="store_true", help="after the timed rows, print a profiler table of the "
-                        "variant's first workload (one variant, --no-baseline: a profiler run slows what follows)")
+                        "variant's last workload, RL lengths at the largest budget (one variant, --no-baseline: a profiler run "
+                        "slows what follows)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     parser.add_argument("--ours", default=None, help="VARIANT:BUDGET compared with the padded loop, named before "
                         "measuring (default: the last variant at the largest budget)")
@@ -434,7 +395,7 @@ def main() -> None:
         f"- peak: {'bf16 8192^3' if ctx.device.type == 'cuda' else 'fp32 512^3'} matmul measured here: "
         f"{setup.peak_flops / 1e12:,.4g} TFLOP/s in a burst of 10 ({sustained / 1e12:,.4g} sustained over a second); "
         "MFU = 6 * params * tokens per GPU / step time / burst peak",
-        f"- packed attention: {packed_backend(ctx.device)}; logprob chunk {args.chunk} tokens; FSDP2, fp32 master "
+        f"- packed attention: {packed_backend(ctx.device, args.attention)}; logprob chunk {args.chunk} tokens; FSDP2, fp32 master "
         f"weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
         "one optimizer step per timed step",
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "

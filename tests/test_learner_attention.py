@@ -49,6 +49,47 @@ def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPat
     enable_packed_attention(lm)
     assert attention._VARLEN is not None
     monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)  # the CUDA branch
+    captured = _captured_block_graphs(lm)
+    calls = sum("varlen" in t for t in captured[0]) if captured else 0
+    assert len(captured) == 1 and calls == 1
+
+
+def test_fa4_kernel_is_one_opaque_op_in_the_compiled_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """learner.attention_kernel=fa4: the block still captures as one graph, with the attention as one
+    agentrl::fa4_varlen call whose fake shapes (output like q, log-sum-exp [heads, T]; gradients like
+    q, k, v) are what the flash-attn-4 kernels return. Needs no GPU and no flash-attn-4: tracing runs the
+    fake implementations only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lm = tiny_lm().to(torch.bfloat16)
+    enable_packed_attention(lm)
+    monkeypatch.setattr(attention, "_VARLEN", attention._fa4)
+    monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)
+    captured = _captured_block_graphs(lm)
+    assert len(captured) == 1 and sum("fa4_varlen" in t for t in captured[0]) == 1
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(20, 4, 16, dtype=torch.bfloat16), *(torch.empty(20, 2, 16, dtype=torch.bfloat16),) * 2
+        cu_fake = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.agentrl.fa4_varlen(q, k, v, cu_fake, 12, 0.25)
+        dq, dk, dv = torch.ops.agentrl.fa4_varlen_backward(out, q, k, v, out, lse, cu_fake, 12, 0.25)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (4, 20) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_a_kernel_that_is_not_installed_is_refused() -> None:
+    lm = tiny_lm()
+    if attention._resolve_varlen("fa4") is None:
+        with pytest.raises(ValueError, match="'fa4' is not installed"):
+            enable_packed_attention(lm, "fa4")
+    with pytest.raises(ValueError, match="unknown packed-attention kernel 'fa5'"):
+        enable_packed_attention(lm, "fa5")
+
+
+def _captured_block_graphs(lm) -> list[list[str]]:
+    """The graphs dynamo captures for decoder block 0 on a packed row (fullgraph, dynamic shapes): the
+    targets of each graph's nodes. Stops at capture: no kernel runs, only fake implementations."""
     pos = torch.tensor([list(range(12)) + list(range(8))])
     cu = torch.tensor([0, 12, 20], dtype=torch.int32)
     captured = []
@@ -69,7 +110,6 @@ def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPat
 
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Captured"):
-        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(h, cu, 20)
+        torch.compile(run, fullgraph=True, dynamic=True, backend=backend)(h, cu, 12)
     torch._dynamo.reset()
-    calls = sum("varlen" in t for t in captured[0]) if captured else 0
-    assert len(captured) == 1 and calls == 1
+    return captured

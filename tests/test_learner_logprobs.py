@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.learner.logprobs import token_logprobs
+from agentrl.learner.logprobs import _chunk_grad, _chunk_grad_fused, _chunk_stats, token_logprobs
 
 
 def _reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, temp: float):
@@ -15,8 +15,10 @@ def _reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torc
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 37, 100])
-@pytest.mark.parametrize("with_bias,temp,keep", [(False, 1.0, False), (True, 0.7, False), (True, 0.7, True)])
-def test_values_and_gradients_match_full_softmax(chunk: int, with_bias: bool, temp: float, keep: bool) -> None:
+@pytest.mark.parametrize("with_bias,temp,keep,compiled", [(False, 1.0, False, False), (True, 0.7, False, False),
+                                                          (True, 0.7, True, False), (True, 0.7, False, True)])
+def test_values_and_gradients_match_full_softmax(chunk: int, with_bias: bool, temp: float, keep: bool,
+                                                 compiled: bool) -> None:
     torch.manual_seed(chunk)
     T, H, V = 37, 16, 50
     h = torch.randn(T, H, requires_grad=True)
@@ -25,7 +27,7 @@ def test_values_and_gradients_match_full_softmax(chunk: int, with_bias: bool, te
     y = torch.randint(0, V, (T,))
     g_lp, g_ent = torch.randn(T), torch.randn(T)
     inputs = [h, w] + ([b] if b is not None else [])
-    lp, ent = token_logprobs(h, w, y, chunk, temp, b, keep_logits=keep)
+    lp, ent = token_logprobs(h, w, y, chunk, temp, b, compiled=compiled, keep_logits=keep)
     lp_ref, ent_ref = _reference(h, w, b, y, temp)
     assert torch.allclose(lp.double(), lp_ref, atol=1e-5)
     assert torch.allclose(ent.double(), ent_ref, atol=1e-4)
@@ -73,3 +75,24 @@ def test_logprobs_alone_skip_the_entropy(compiled: bool) -> None:
     (g,) = torch.autograd.grad(lp.sum(), [h])  # logprobs stay differentiable
     (g_ref,) = torch.autograd.grad(lp_ref.sum(), [h])
     assert torch.allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_chunk_gradient_equals_the_eager_one(dtype: torch.dtype, with_entropy: bool) -> None:
+    """The compiled head's gradient formula (one-hot by comparison) against the eager one (by scatter)."""
+    torch.manual_seed(5)
+    C, V, inv_temp = 9, 40, 1 / 0.7
+    logits = (torch.randn(C, V) * 3).to(dtype)
+    targets = torch.randint(0, V, (C,))
+    _, lse, entropy = _chunk_stats(logits, targets, inv_temp)
+    g_lp, g_ent = torch.randn(C), (torch.randn(C) if with_entropy else None)
+    kept = logits.clone()
+    eager = _chunk_grad(logits, targets, lse, entropy, g_lp, g_ent, inv_temp)
+    fused = _chunk_grad_fused(logits, targets, lse, entropy, g_lp, g_ent, inv_temp)
+    assert torch.equal(logits, kept)  # neither form writes into kept logits
+    assert fused.dtype == eager.dtype == dtype
+    # float32: the same numbers up to rounding; bf16: both round one float32 result once, so within an ulp
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(fused.float(), eager.float(), rtol=tol, atol=tol)
+    assert float(eager.float().abs().max()) > 0.1  # a gradient that is not trivially zero

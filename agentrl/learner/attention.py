@@ -8,7 +8,9 @@ builds no mask for an implementation it does not know, so no [T, T] mask is ever
 
 Per device:
 - CUDA: `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen kernels shipped inside torch):
-  no padding, no mask, cost proportional to the sum of squared sequence lengths.
+  no padding, no mask, cost proportional to the sum of squared sequence lengths. With
+  `learner.attention_kernel: fa4`, the flash-attn-4 package's varlen kernels instead (Hopper/Blackwell;
+  1.5x faster alone on 4k-token rows, a step's gain depends on the host: BENCHMARKS.md, learner session 8).
 - CPU, float32 on CUDA (flash kernels are 16-bit only) and CUDA without varlen: one
   `scaled_dot_product_attention(is_causal=True)` per sequence, exact and mask-free too.
 Without packing kwargs (plain unpadded rows) it is causal SDPA over each row.
@@ -30,15 +32,18 @@ _VarlenFn = Callable[[Tensor, Tensor, Tensor, Tensor, int, float | None], Tensor
 _VARLEN: _VarlenFn | None = None  # set by enable_packed_attention
 
 
-def enable_packed_attention(model: nn.Module) -> None:
-    """Switch an HF model (and its sub-configs) to packed attention; full causal attention only."""
+def enable_packed_attention(model: nn.Module, kernel: str = "flash2") -> None:
+    """Switch an HF model (and its sub-configs) to packed attention; full causal attention only. `kernel`
+    names the varlen kernel used on CUDA in 16-bit (see _resolve_varlen); "fa4" must be installed."""
     from transformers import AttentionInterface
 
     config = model.config
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("packed attention supports full causal attention only; this model uses sliding windows")
     global _VARLEN
-    _VARLEN = _resolve_varlen()  # resolved here, not per call: torch.compile traces packed_attention
+    _VARLEN = _resolve_varlen(kernel)  # resolved here, not per call: torch.compile traces packed_attention
+    if _VARLEN is None and kernel != "flash2":
+        raise ValueError(f"packed attention kernel {kernel!r} is not installed (fa4: pip install flash-attn-4)")
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     model.set_attn_implementation(PACKED_ATTENTION)
     if config._attn_implementation != PACKED_ATTENTION:  # transformers only warns for models it cannot switch
@@ -46,10 +51,10 @@ def enable_packed_attention(model: nn.Module) -> None:
                          "interface, so packed sequences would attend across each other")
 
 
-def packed_backend(device: torch.device) -> str:
+def packed_backend(device: torch.device, kernel: str = "flash2") -> str:
     """Which kernel packed attention uses on `device` (for logs and benchmark tables)."""
-    if device.type == "cuda" and _resolve_varlen() is not None:
-        return "varlen flash attention (16-bit dtypes)"
+    if device.type == "cuda" and _resolve_varlen(kernel) is not None:
+        return {"flash2": "varlen FlashAttention-2 in torch", "fa4": "varlen flash-attn-4"}[kernel] + " (16-bit dtypes)"
     return "per-sequence SDPA"
 
 
@@ -101,8 +106,19 @@ def _per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
-def _resolve_varlen() -> _VarlenFn | None:
-    """torch's varlen flash attention, adapted to the signatures torch releases gave it; None if absent."""
+def _resolve_varlen(kernel: str = "flash2") -> _VarlenFn | None:
+    """The varlen kernel named `kernel`, adapted to the library's signature; None if it is not installed.
+    "flash2": torch's varlen flash attention (FlashAttention-2 kernels shipped inside torch). "fa4": the
+    CuTe-DSL FlashAttention kernels of the `flash-attn-4` package (Hopper and Blackwell), through the
+    custom ops below so torch.compile treats them as opaque calls."""
+    if kernel == "fa4":
+        try:
+            import flash_attn.cute.interface  # noqa: F401
+        except ImportError:
+            return None
+        return _fa4
+    if kernel != "flash2":
+        raise ValueError(f"unknown packed-attention kernel {kernel!r}; expected 'flash2' or 'fa4'")
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -130,3 +146,57 @@ def _resolve_varlen() -> _VarlenFn | None:
         return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, **extra)
 
     return run
+
+
+def _fa4(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+    """Causal varlen attention by flash-attn-4 (grouped-query heads natively: k/v keep their own heads)."""
+    scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.agentrl.fa4_varlen(q_THD, k_THD, v_THD, cu, max_len, scale)[0]
+
+
+@torch.library.custom_op("agentrl::fa4_varlen", mutates_args=())
+def _fa4_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> tuple[Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                               max_seqlen_k=max_len, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@_fa4_forward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("agentrl::fa4_varlen_backward", mutates_args=())
+def _fa4_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor, max_len: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)[:3]
+    return dq, dk, dv
+
+
+@_fa4_backward_op.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor, max_len: int,
+      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu, max_len, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu)
+    ctx.max_len, ctx.scale = max_len, scale
+
+
+def _fa4_grad(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    dq, dk, dv = torch.ops.agentrl.fa4_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu, ctx.max_len,
+                                                       ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_fa4_forward.register_autograd(_fa4_grad, setup_context=_fa4_setup)

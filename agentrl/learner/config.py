@@ -51,6 +51,10 @@ class LearnerConfig(StrictModel):
     )
     temperature: float = Field(1.0, gt=0.0, description="logits are divided by it: the sampling temperature")
     activation_checkpointing: bool = False
+    attention_kernel: Literal["flash2", "fa4"] = Field(
+        "flash2", description="packed attention on CUDA in 16-bit: torch's FlashAttention-2 varlen, or the "
+        "flash-attn-4 package's kernels (Hopper/Blackwell; must be installed)"
+    )
     compile: bool = Field(False, description="torch.compile each decoder block (each FSDP unit) and the logprob math")
     fsdp_unit: Literal["auto", "block", "model"] = Field(
         "auto", description="FSDP unit: each decoder block (weights gathered block by block), or the whole "

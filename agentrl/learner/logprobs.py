@@ -50,14 +50,18 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _chunk_stats(
     logits_CV: Tensor, targets_C: Tensor, inv_temp: float, with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(logprob of target, log-sum-exp, entropy or None) of one chunk, in float32."""
+    """(logprob of target, log-sum-exp, entropy or None) of one chunk, in float32. Two passes over the logits
+    however it runs: the row max, then sum(e) and sum(e * z) together (e = exp(z - max)); entropy is
+    lse - sum(p * z) with p = e / sum(e)."""
     z = logits_CV.float() * inv_temp
-    lse = torch.logsumexp(z, dim=-1)
+    top = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - top)
+    total = e.sum(-1)
+    lse = top.squeeze(-1) + torch.log(total)
     logprob = z.gather(1, targets_C[:, None]).squeeze(1) - lse
     if not with_entropy:
         return logprob, lse, None
-    p = torch.exp(z - lse[:, None])
-    return logprob, lse, lse - torch.linalg.vecdot(p, z)
+    return logprob, lse, lse - (e * z).sum(-1) / total
 
 
 def _chunk_grad(
@@ -77,9 +81,26 @@ def _chunk_grad(
     return g.mul_(inv_temp).to(logits_CV.dtype)
 
 
+def _chunk_grad_fused(
+    logits_CV: Tensor, targets_C: Tensor, lse_C: Tensor, entropy_C: Tensor, g_lp_C: Tensor,
+    g_ent_C: Tensor | None, inv_temp: float,
+) -> Tensor:
+    """_chunk_grad's math written for torch.compile: the target's one-hot term is a comparison, not a
+    scatter, so inductor fuses the whole chunk into one pass that reads the 16-bit logits and writes the
+    16-bit gradient (the scatter kept a float32 gradient in memory, then cast it in a pass of its own).
+    Eager, it would hold several float32 chunks at once: _chunk_grad is the eager form."""
+    z = logits_CV.float() * inv_temp
+    p = torch.exp(z - lse_C[:, None])
+    coef = g_lp_C[:, None]
+    if g_ent_C is not None:
+        coef = coef + g_ent_C[:, None] * (z - (lse_C - entropy_C)[:, None])
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == targets_C[:, None]
+    return ((torch.where(hit, g_lp_C[:, None], 0.0) - p * coef) * inv_temp).to(logits_CV.dtype)
+
+
 @lru_cache(maxsize=1)
 def _compiled_fns() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    return torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True)
+    return torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad_fused, dynamic=True)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):

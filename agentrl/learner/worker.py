@@ -106,7 +106,7 @@ class Worker:
         self.hf_prefix = hf_prefix
         use_bf16 = config.precision == "bf16" or (config.precision == "auto" and ctx.device.type == "cuda")
         self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
-        enable_packed_attention(hf_model)
+        enable_packed_attention(hf_model, config.attention_kernel)
         module.eval()  # dropout off: logprobs must be those of the policy that sampled
         if not trainable:
             module.requires_grad_(False)

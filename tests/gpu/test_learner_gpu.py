@@ -16,7 +16,7 @@ import torch
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import aggregate, ppo_clip_loss
-from agentrl.learner.attention import packed_backend
+from agentrl.learner.attention import _resolve_varlen, packed_backend
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack, response_layout
 from agentrl.learner.policy import PolicyWorker
@@ -25,6 +25,8 @@ from tests.learner_util import padded_logprobs, tiny_lm, trajectories
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 VOCAB = 4096
+NEEDS_FA4 = pytest.mark.skipif(_resolve_varlen("fa4") is None, reason="flash-attn-4 is not installed (pip install flash-attn-4)")
+KERNELS = ["flash2", pytest.param("fa4", marks=NEEDS_FA4)]
 
 
 def _setup(seed: int = 0):
@@ -63,12 +65,13 @@ def _rel_err(a: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return float(diff.norm() / torch.cat(list(ref.values())).norm())
 
 
-def test_packed_bf16_matches_padded_transformers() -> None:
-    assert packed_backend(torch.device("cuda")).startswith("varlen"), "torch.nn.attention.varlen is missing"
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_bf16_matches_padded_transformers(kernel: str) -> None:
+    assert packed_backend(torch.device("cuda"), kernel).startswith("varlen"), f"{kernel} varlen is missing"
     lm, trajs = _setup()
     fp32_ref, bf16_ref = copy.deepcopy(lm), copy.deepcopy(lm).to(torch.bfloat16)
-    worker = PolicyWorker(LearnerConfig(device="cuda", token_budget=512, logprob_chunk_tokens=256), AlgoConfig(),
-                          model=lm)
+    worker = PolicyWorker(LearnerConfig(device="cuda", token_budget=512, logprob_chunk_tokens=256,
+                                        attention_kernel=kernel), AlgoConfig(), model=lm)
     assert worker.compute_dtype == torch.bfloat16
     [batch] = pack(trajs, 512)
     assert len(batch.micro_batches) > 2
@@ -95,11 +98,13 @@ def test_packed_bf16_matches_padded_transformers() -> None:
     assert metrics["actor/step_skipped"] == 0.0 and torch.isfinite(torch.tensor(metrics["actor/loss"]))
 
 
-@pytest.mark.parametrize("unit", ["block", "model"])
-def test_compiled_matches_eager(unit: str) -> None:
-    """Compiled block by block, under per-block FSDP units or one root unit (fsdp_unit="model")."""
+@pytest.mark.parametrize("unit,kernel", [("block", "flash2"), ("model", "flash2"),
+                                         pytest.param("model", "fa4", marks=NEEDS_FA4)])
+def test_compiled_matches_eager(unit: str, kernel: str) -> None:
+    """Compiled block by block, under per-block FSDP units or one root unit (fsdp_unit="model"); with fa4
+    the attention ops run inside the compiled blocks as opaque custom ops."""
     lm, trajs = _setup(seed=1)
-    config = dict(device="cuda", token_budget=512, logprob_chunk_tokens=256)
+    config = dict(device="cuda", token_budget=512, logprob_chunk_tokens=256, attention_kernel=kernel)
     eager = PolicyWorker(LearnerConfig(**config), AlgoConfig(), model=copy.deepcopy(lm))
     compiled = PolicyWorker(LearnerConfig(compile=True, activation_checkpointing=True, fsdp_unit=unit, **config),
                             AlgoConfig(), model=lm)
