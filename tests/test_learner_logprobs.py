@@ -96,3 +96,13 @@ def test_fused_chunk_gradient_equals_the_eager_one(dtype: torch.dtype, with_entr
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert torch.allclose(fused.float(), eager.float(), rtol=tol, atol=tol)
     assert float(eager.float().abs().max()) > 0.1  # a gradient that is not trivially zero
+
+
+def test_entropy_does_not_depend_on_the_logits_offset() -> None:
+    """Softmax ignores a constant added to every logit; the entropy must too (no lse - E[z] cancellation)."""
+    torch.manual_seed(6)
+    logits, targets = torch.randn(8, 300), torch.randint(0, 300, (8,))
+    _, _, ent = _chunk_stats(logits, targets, 1.0)
+    _, _, ent_shifted = _chunk_stats(logits + 40.0, targets, 1.0)
+    ref = -(torch.log_softmax(logits.double(), -1).exp() * torch.log_softmax(logits.double(), -1)).sum(-1)
+    assert torch.allclose(ent.double(), ref, atol=2e-6) and torch.allclose(ent_shifted.double(), ref, atol=2e-6)

@@ -10,7 +10,7 @@ Per device:
 - CUDA: `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen kernels shipped inside torch):
   no padding, no mask, cost proportional to the sum of squared sequence lengths. With
   `learner.attention_kernel: fa4`, the flash-attn-4 package's varlen kernels instead (Hopper/Blackwell;
-  1.5x faster alone on 4k-token rows, a step's gain depends on the host: BENCHMARKS.md, learner session 8).
+  1.5x faster alone on 4k-token rows; no gain for a training step established: BENCHMARKS.md, session 8).
 - CPU, float32 on CUDA (flash kernels are 16-bit only) and CUDA without varlen: one
   `scaled_dot_product_attention(is_causal=True)` per sequence, exact and mask-free too.
 Without packing kwargs (plain unpadded rows) it is causal SDPA over each row.
@@ -41,9 +41,10 @@ def enable_packed_attention(model: nn.Module, kernel: str = "flash2") -> None:
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("packed attention supports full causal attention only; this model uses sliding windows")
     global _VARLEN
-    _VARLEN = _resolve_varlen(kernel)  # resolved here, not per call: torch.compile traces packed_attention
-    if _VARLEN is None and kernel != "flash2":
+    varlen = _resolve_varlen(kernel)  # resolved here, not per call: torch.compile traces packed_attention
+    if varlen is None and kernel != "flash2":
         raise ValueError(f"packed attention kernel {kernel!r} is not installed (fa4: pip install flash-attn-4)")
+    _VARLEN = varlen
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     model.set_attn_implementation(PACKED_ATTENTION)
     if config._attn_implementation != PACKED_ATTENTION:  # transformers only warns for models it cannot switch

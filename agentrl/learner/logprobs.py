@@ -51,17 +51,18 @@ def _chunk_stats(
     logits_CV: Tensor, targets_C: Tensor, inv_temp: float, with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logprob of target, log-sum-exp, entropy or None) of one chunk, in float32. Two passes over the logits
-    however it runs: the row max, then sum(e) and sum(e * z) together (e = exp(z - max)); entropy is
-    lse - sum(p * z) with p = e / sum(e)."""
+    however it runs: the row max, then sum(e) and sum(e * (z - max)) together (e = exp(z - max)); entropy is
+    lse - sum(p * z) = log(sum(e)) - sum(e * (z - max)) / sum(e), free of the logits' offset."""
     z = logits_CV.float() * inv_temp
     top = z.amax(dim=-1, keepdim=True)
-    e = torch.exp(z - top)
+    shifted = z - top
+    e = torch.exp(shifted)
     total = e.sum(-1)
     lse = top.squeeze(-1) + torch.log(total)
     logprob = z.gather(1, targets_C[:, None]).squeeze(1) - lse
     if not with_entropy:
         return logprob, lse, None
-    return logprob, lse, lse - (e * z).sum(-1) / total
+    return logprob, lse, torch.log(total) - (e * shifted).sum(-1) / total
 
 
 def _chunk_grad(
