@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from agentrl.algo import AlgoConfig
 from agentrl.engine.random_model import SHAPES
-from agentrl.learner.attention import packed_backend
+from agentrl.learner.attention import KERNELS, packed_backend
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.fsdp import init_distributed
 from agentrl.learner.packing import Batch, pack, response_layout
@@ -341,7 +341,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--attention", default="flash2", choices=("flash2", "fa4"), help="packed attention kernel")
+    parser.add_argument("--attention", default="flash2", choices=sorted(KERNELS), help="packed attention kernel")
     parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
                         help="set a boolean torch._dynamo.config option for this run (repeatable)")
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "

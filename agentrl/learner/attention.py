@@ -30,6 +30,8 @@ PACKED_ATTENTION = "agentrl_packed"
 
 _VarlenFn = Callable[[Tensor, Tensor, Tensor, Tensor, int, float | None], Tensor]
 _VARLEN: _VarlenFn | None = None  # set by enable_packed_attention
+# The varlen kernels on CUDA (learner.attention_kernel), as logs and benchmark tables name them.
+KERNELS = {"flash2": "varlen FlashAttention-2 in torch", "fa4": "varlen flash-attn-4"}
 
 
 def enable_packed_attention(model: nn.Module, kernel: str = "flash2") -> None:
@@ -55,7 +57,7 @@ def enable_packed_attention(model: nn.Module, kernel: str = "flash2") -> None:
 def packed_backend(device: torch.device, kernel: str = "flash2") -> str:
     """Which kernel packed attention uses on `device` (for logs and benchmark tables)."""
     if device.type == "cuda" and _resolve_varlen(kernel) is not None:
-        return {"flash2": "varlen FlashAttention-2 in torch", "fa4": "varlen flash-attn-4"}[kernel] + " (16-bit dtypes)"
+        return f"{KERNELS[kernel]} (16-bit dtypes)"
     return "per-sequence SDPA"
 
 
@@ -112,14 +114,14 @@ def _resolve_varlen(kernel: str = "flash2") -> _VarlenFn | None:
     "flash2": torch's varlen flash attention (FlashAttention-2 kernels shipped inside torch). "fa4": the
     CuTe-DSL FlashAttention kernels of the `flash-attn-4` package (Hopper and Blackwell), through the
     custom ops below so torch.compile treats them as opaque calls."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown packed-attention kernel {kernel!r}; expected one of {sorted(KERNELS)}")
     if kernel == "fa4":
         try:
             import flash_attn.cute.interface  # noqa: F401
         except ImportError:
             return None
         return _fa4
-    if kernel != "flash2":
-        raise ValueError(f"unknown packed-attention kernel {kernel!r}; expected 'flash2' or 'fa4'")
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
