@@ -7,7 +7,7 @@ Run from the repository root on a GPU:
 For the Qwen2.5-1.5B attention shape (12 query heads, 2 key/value heads, head size 128, bf16) it builds
 two workloads as the learner sees them: RL-like sequences (prompt U[100, 400] + response U[100, 3000]
 tokens, 48 of them) packed into 4096-token micro-batches by `agentrl.learner.packing.pack`, and 4096-token
-rows. For every kernel `agentrl.learner.attention` offers ("flash2": torch's FlashAttention-2 varlen;
+rows. For every kernel `agentrl.learner.attention` offers ("flash2": the FlashAttention-2 varlen kernels inside torch, k/v on their own heads;
 "fa4": flash-attn-4, where installed) it times forward and forward + backward over all micro-batches
 with CUDA events, and checks the output and the q/k/v gradients on the first micro-batch against a float32
 per-sequence SDPA reference (relative error of the whole tensor). TFLOP/s counts causal attention work only: forward 4 * heads * head size *
@@ -38,18 +38,6 @@ def workloads(budget: int, sequences: int, rows: int) -> dict[str, list[torch.Te
     rl = [mb.cu_seqlens_S.to(torch.int32) for mb in batch.micro_batches]
     return {f"RL lengths packed into {budget}-token micro-batches": rl,
             f"{budget}-token rows": [torch.tensor([0, budget], dtype=torch.int32)] * rows}
-
-
-def flash2_unrepeated(q, k, v, cu, max_len, scale):
-    """torch's varlen_attn handed k/v with their own (fewer) heads, for releases whose varlen_attn has no
-    enable_gqa: the FlashAttention-2 kernels underneath take grouped heads natively (checked by the error
-    columns)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
-
-
-EXTRA = {"flash2_unrepeated": flash2_unrepeated}
 
 
 def causal_flops(cus: list[torch.Tensor]) -> float:
@@ -116,7 +104,7 @@ def time_kernel(kernel, cus: list[torch.Tensor], device: torch.device, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="flash2,fa4", help="of flash2, fa4, flash2_unrepeated")
+    parser.add_argument("--kernels", default="flash2,fa4", help="of " + ", ".join(attention.KERNELS))
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--sequences", type=int, default=48)
     parser.add_argument("--rows", type=int, default=8)
@@ -131,7 +119,7 @@ def main() -> None:
           f"{HEAD_DIM}, bf16")
     rows, raw = [], []
     for name in args.kernels.split(","):
-        kernel = EXTRA[name] if name in EXTRA else attention._resolve_varlen(name)
+        kernel = attention._resolve_varlen(name)
         if kernel is None:
             print(f"{name}: not installed, skipped")
             continue

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from agentrl.algo import AlgoConfig
 from agentrl.engine.random_model import SHAPES
+from agentrl.learner import fsdp
 from agentrl.learner.attention import KERNELS, packed_backend
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.fsdp import init_distributed
@@ -342,6 +343,8 @@ def main() -> None:
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--attention", default="flash2", choices=sorted(KERNELS), help="packed attention kernel")
+    parser.add_argument("--python-wrapper", action="store_true", help="compile the blocks with inductor's Python "
+                        "wrapper instead of the C++ one the learner uses on CUDA: the baseline of that choice")
     parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
                         help="set a boolean torch._dynamo.config option for this run (repeatable)")
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
@@ -358,6 +361,8 @@ def main() -> None:
         if not hasattr(torch._dynamo.config, key) or value not in ("True", "False"):
             parser.error(f"--dynamo: expected NAME=True|False with NAME a torch._dynamo.config setting, got {setting!r}")
         setattr(torch._dynamo.config, key, value == "True")
+    if args.python_wrapper:  # a measurement switch, not a learner option: the learner has one way to compile
+        fsdp.compile_options = lambda device, checkpointed=False: {"cpp_wrapper": False}
     tiny = args.tiny
     args.variants = (args.variants or ("eager,eager_ac" if tiny else "eager,compiled_keep,compiled_root")).split(",")
     args.budgets = [int(b) for b in (args.budgets or ("256,512" if tiny else "4096,8192")).split(",")]
@@ -400,7 +405,8 @@ def main() -> None:
         "one optimizer step per timed step",
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",
-        f"- inductor cpp_wrapper: {torch._inductor.config.cpp_wrapper}; dynamo settings: {args.dynamo or 'defaults'}",
+        f"- compiled blocks: inductor options {fsdp.compile_options(ctx.device)} (without activation checkpointing); dynamo settings: "
+        f"{args.dynamo or 'defaults'}",
     ]
     setup.log("\n".join(header))
     table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "

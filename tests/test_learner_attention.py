@@ -40,18 +40,19 @@ def test_padding_masks_are_refused() -> None:
         packed_attention(None, x, x, x, torch.ones(1, 1, 4, 4))
 
 
-@pytest.mark.skipif(attention._resolve_varlen() is None, reason="this torch has no torch.nn.attention.varlen")
 def test_varlen_path_compiles_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU path (varlen op, dynamic shapes) a decoder block, as fsdp.shard compiles it, is captured
-    as one graph. Traced on CPU: dynamo only needs the op's fake implementation, so the capture is checked
-    without a GPU."""
+    """On the GPU path (flash2: the aten FlashAttention op itself, dynamic shapes) a decoder block, as
+    fsdp.shard compiles it, is captured as one graph with one attention call on k/v of their own (fewer)
+    heads: nothing repeats them. Traced on CPU: dynamo only needs the op's meta implementation, so the
+    capture is checked without a GPU."""
     lm = tiny_lm().to(torch.bfloat16)
     enable_packed_attention(lm)
-    assert attention._VARLEN is not None
+    monkeypatch.setattr(attention, "_VARLEN", attention._flash2)  # as resolved on a CUDA build with flash
     monkeypatch.setattr(attention, "_varlen_for", lambda query: attention._VARLEN)  # the CUDA branch
     captured = _captured_block_graphs(lm)
-    calls = sum("varlen" in t for t in captured[0]) if captured else 0
+    calls = sum("_flash_attention_forward" in t for t in captured[0]) if captured else 0
     assert len(captured) == 1 and calls == 1
+    assert not any("repeat" in t or "expand" in t for t in captured[0])
 
 
 def test_fa4_kernel_is_one_opaque_op_in_the_compiled_block(monkeypatch: pytest.MonkeyPatch) -> None:

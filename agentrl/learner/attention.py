@@ -7,18 +7,17 @@ transformers' own flash-attention path uses) through the model's forward to this
 builds no mask for an implementation it does not know, so no [T, T] mask is ever made.
 
 Per device:
-- CUDA: `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen kernels shipped inside torch):
-  no padding, no mask, cost proportional to the sum of squared sequence lengths. With
-  `learner.attention_kernel: fa4`, the flash-attn-4 package's varlen kernels instead (Hopper/Blackwell;
-  1.5x faster alone on 4k-token rows; no gain for a training step established: BENCHMARKS.md, session 8).
-- CPU, float32 on CUDA (flash kernels are 16-bit only) and CUDA without varlen: one
+- CUDA: the FlashAttention-2 varlen kernels inside torch (`aten._flash_attention_forward`): no padding, no
+  mask, cost proportional to the sum of squared sequence lengths. With `learner.attention_kernel: fa4`, the
+  flash-attn-4 package's varlen kernels instead (Hopper/Blackwell; opt-in: a training step on one H200
+  was 1.07x faster with them on one machine, 1.055x and 0.92x on two others: BENCHMARKS.md, sessions 8-9).
+- CPU, float32 on CUDA (flash kernels are 16-bit only) and CUDA builds without flash attention: one
   `scaled_dot_product_attention(is_causal=True)` per sequence, exact and mask-free too.
 Without packing kwargs (plain unpadded rows) it is causal SDPA over each row.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -110,8 +109,10 @@ def _per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
 
 
 def _resolve_varlen(kernel: str = "flash2") -> _VarlenFn | None:
-    """The varlen kernel named `kernel`, adapted to the library's signature; None if it is not installed.
-    "flash2": torch's varlen flash attention (FlashAttention-2 kernels shipped inside torch). "fa4": the
+    """The varlen kernel named `kernel`, adapted to one signature; None if it is not installed.
+    "flash2": the FlashAttention-2 kernels shipped inside torch (CUDA builds with flash attention; the
+    kernels need an Ampere or newer GPU); without them packed attention falls back to per-sequence SDPA.
+    "fa4": the
     CuTe-DSL FlashAttention kernels of the `flash-attn-4` package (Hopper and Blackwell), through the
     custom ops below so torch.compile treats them as opaque calls."""
     if kernel not in KERNELS:
@@ -122,33 +123,15 @@ def _resolve_varlen(kernel: str = "flash2") -> _VarlenFn | None:
         except ImportError:
             return None
         return _fa4
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        causal: dict[str, Any] = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        causal = {"is_causal": True}
-    else:
-        return None
-    native_gqa = "enable_gqa" in params
-    has_scale = "scale" in params
+    return _flash2 if torch.backends.cuda.is_flash_attention_available() else None
 
-    def run(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
-        extra = dict(causal)
-        if q_THD.shape[1] != k_THD.shape[1]:
-            if native_gqa:
-                extra["enable_gqa"] = True
-            else:  # older releases: repeat kv heads as transformers' repeat_kv does (head i uses kv i // n_rep)
-                rep = q_THD.shape[1] // k_THD.shape[1]
-                k_THD, v_THD = k_THD.repeat_interleave(rep, dim=1), v_THD.repeat_interleave(rep, dim=1)
-        if has_scale:
-            extra["scale"] = scale
-        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, **extra)
 
-    return run
+def _flash2(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+    """Causal varlen attention by the FlashAttention-2 kernels inside torch, called as the aten op itself:
+    grouped-query heads natively (k/v keep their own heads), differentiable through aten's own backward
+    formula, and no Python around it, so inductor's C++ wrapper (fsdp.py) calls it straight from C++."""
+    return torch.ops.aten._flash_attention_forward(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 def _fa4(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:

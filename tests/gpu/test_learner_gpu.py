@@ -98,15 +98,18 @@ def test_packed_bf16_matches_padded_transformers(kernel: str) -> None:
     assert metrics["actor/step_skipped"] == 0.0 and torch.isfinite(torch.tensor(metrics["actor/loss"]))
 
 
-@pytest.mark.parametrize("unit,kernel", [("block", "flash2"), ("model", "flash2"),
-                                         pytest.param("model", "fa4", marks=NEEDS_FA4)])
-def test_compiled_matches_eager(unit: str, kernel: str) -> None:
+@pytest.mark.parametrize("unit,kernel,checkpointed", [("block", "flash2", True), ("block", "flash2", False),
+                                                      ("model", "flash2", True), ("model", "flash2", False),
+                                                      pytest.param("model", "fa4", False, marks=NEEDS_FA4)])
+def test_compiled_matches_eager(unit: str, kernel: str, checkpointed: bool) -> None:
     """Compiled block by block, under per-block FSDP units or one root unit (fsdp_unit="model"); with fa4
-    the attention ops run inside the compiled blocks as opaque custom ops."""
+    the attention ops run inside the compiled blocks as opaque custom ops. Without activation
+    checkpointing the blocks are built with inductor's C++ wrapper (fsdp.compile_options), with it the
+    Python one: both are checked."""
     lm, trajs = _setup(seed=1)
     config = dict(device="cuda", token_budget=512, logprob_chunk_tokens=256, attention_kernel=kernel)
     eager = PolicyWorker(LearnerConfig(**config), AlgoConfig(), model=copy.deepcopy(lm))
-    compiled = PolicyWorker(LearnerConfig(compile=True, activation_checkpointing=True, fsdp_unit=unit, **config),
+    compiled = PolicyWorker(LearnerConfig(compile=True, activation_checkpointing=checkpointed, fsdp_unit=unit, **config),
                             AlgoConfig(), model=lm)
     [batch] = pack(trajs, 512)
     batch.set("advantages", _advantages(trajs))
