@@ -112,9 +112,8 @@ def _resolve_varlen(kernel: str = "flash2") -> _VarlenFn | None:
     """The varlen kernel named `kernel`, adapted to one signature; None if it is not installed.
     "flash2": the FlashAttention-2 kernels shipped inside torch (CUDA builds with flash attention; the
     kernels need an Ampere or newer GPU); without them packed attention falls back to per-sequence SDPA.
-    "fa4": the
-    CuTe-DSL FlashAttention kernels of the `flash-attn-4` package (Hopper and Blackwell), through the
-    custom ops below so torch.compile treats them as opaque calls."""
+    "fa4": the CuTe-DSL FlashAttention kernels of the `flash-attn-4` package (Hopper and Blackwell),
+    through the custom ops below so torch.compile treats them as opaque calls."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown packed-attention kernel {kernel!r}; expected one of {sorted(KERNELS)}")
     if kernel == "fa4":

@@ -58,11 +58,12 @@ def _chunk_stats(
     shifted = z - top
     e = torch.exp(shifted)
     total = e.sum(-1)
-    lse = top.squeeze(-1) + torch.log(total)
+    log_total = torch.log(total)
+    lse = top.squeeze(-1) + log_total
     logprob = z.gather(1, targets_C[:, None]).squeeze(1) - lse
     if not with_entropy:
         return logprob, lse, None
-    return logprob, lse, torch.log(total) - (e * shifted).sum(-1) / total
+    return logprob, lse, log_total - (e * shifted).sum(-1) / total
 
 
 def _chunk_grad(
