@@ -177,6 +177,8 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6),
                            attention_kernel=args.attention)
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
+    if args.fsdp_accumulation:
+        worker.grad_accumulation = None
     warmup = 2 if compiled else 1
     rl_rates: dict[int, float] = {}  # budget -> useful tokens/s
     workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
@@ -345,6 +347,8 @@ def main() -> None:
     parser.add_argument("--attention", default="flash2", choices=sorted(KERNELS), help="packed attention kernel")
     parser.add_argument("--python-wrapper", action="store_true", help="compile the blocks with inductor's Python "
                         "wrapper instead of the C++ one the learner uses on CUDA: the baseline of that choice")
+    parser.add_argument("--fsdp-accumulation", action="store_true", help="leave float32 gradient accumulation to "
+                        "FSDP (one kernel per parameter) instead of the learner's fused pass: the baseline of it")
     parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
                         help="set a boolean torch._dynamo.config option for this run (repeatable)")
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
@@ -406,7 +410,8 @@ def main() -> None:
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",
         f"- compiled blocks: inductor options {fsdp.compile_options(ctx.device)} (without activation checkpointing); dynamo settings: "
-        f"{args.dynamo or 'defaults'}",
+        f"{args.dynamo or 'defaults'}; float32 gradient accumulation: "
+        f"{'FSDP, per parameter' if args.fsdp_accumulation else 'fused where one FSDP unit (fsdp.FusedGradAccumulation)'}",
     ]
     setup.log("\n".join(header))
     table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "

@@ -276,3 +276,38 @@ def test_lr_schedule() -> None:
     assert lr_factor(2, cos) == pytest.approx(1.0)
     assert lr_factor(7, cos) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_factor(12, cos) == pytest.approx(0.1) and lr_factor(50, cos) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None:
+    """One FSDP unit with 16-bit compute sums each micro-batch's gradients into float32 through
+    FusedGradAccumulation (fsdp.py): the step it takes is FSDP's own per-parameter accumulation's to the
+    bit, and the fused path, not FSDP's, did the adding (once a copy, then one add per later micro-batch)."""
+    from agentrl.learner.fsdp import FusedGradAccumulation
+
+    lm = tiny_lm(seed=3)
+    config = _config(precision="bf16", fsdp_unit="model", optim=OptimConfig(lr=1e-2))
+    fused = PolicyWorker(config, AlgoConfig(), model=copy.deepcopy(lm))
+    plain = PolicyWorker(config, AlgoConfig(), model=lm)
+    assert fused.grad_accumulation is not None and fused.compute_dtype == torch.bfloat16
+    fused.grad_accumulation = FusedGradAccumulation(fused.module, compiled=compiled)
+    plain.grad_accumulation = None  # FSDP's own accumulation
+    calls = {"copy": 0, "add": 0}
+    for name in calls:
+        inner = getattr(fused.grad_accumulation, f"_{name}")
+
+        def counted(dst, src, inner=inner, name=name):
+            calls[name] += 1
+            inner(dst, src)
+        setattr(fused.grad_accumulation, f"_{name}", counted)
+
+    trajs = trajectories(10, seed=4)
+    [batch] = pack(trajs, config.token_budget)
+    n = len(batch.micro_batches)
+    assert n > 2
+    batch.set("advantages", torch.randn(len(trajs), 1) * response_layout(trajs).mask_BR)
+    m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
+    assert calls == {"copy": 1, "add": n - 1}
+    assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
+    for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name

@@ -27,7 +27,14 @@ from agentrl.engine import bucket_by_bytes
 from agentrl.learner import checkpoint
 from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
-from agentrl.learner.fsdp import DistContext, decoder_blocks, init_distributed, reshard_all, shard
+from agentrl.learner.fsdp import (
+    DistContext,
+    FusedGradAccumulation,
+    decoder_blocks,
+    init_distributed,
+    reshard_all,
+    shard,
+)
 from agentrl.learner.optim import build_optimizer, build_scheduler
 from agentrl.learner.packing import Batch, MicroBatch
 
@@ -121,6 +128,9 @@ class Worker:
             compiled=config.compile,
             unit=self.fsdp_unit,
         )
+        # one FSDP unit with 16-bit compute: its float32 gradient sums in fused kernels (fsdp.py)
+        self.grad_accumulation = (FusedGradAccumulation(self.module, compiled=config.compile)
+                                  if trainable and use_bf16 and self.fsdp_unit == "model" else None)
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
         self.steps = 0  # optimizer steps taken
@@ -166,12 +176,15 @@ class Worker:
         # With reshard_after_forward off, weights also stay gathered between the micro-batches of a step
         # (no all-gather per micro-batch); the last backward frees them as usual.
         keep_gathered = not self.config.reshard_after_forward
+        fused = self.grad_accumulation if last > 0 else None  # one micro-batch: FSDP reduces it, no sum
         for i, mb in enumerate(micro_batches):
             self.module.set_requires_gradient_sync(i == last)
             if keep_gathered:
                 self.module.set_reshard_after_backward(i == last)
             with record_function("agentrl.forward"):
                 loss, stats = micro_loss(mb)
+            if fused is not None:
+                fused.arm(loss)
             with record_function("agentrl.backward"):
                 loss.backward()
             for k, v in stats.items():
