@@ -177,8 +177,6 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
                            reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6),
                            attention_kernel=args.attention)
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
-    if args.fsdp_accumulation:
-        worker.grad_accumulation = None
     warmup = 2 if compiled else 1
     rl_rates: dict[int, float] = {}  # budget -> useful tokens/s
     workloads = [(f"{setup.row_len}-token rows, one per micro-batch", row_set(setup, args.rows_per_step, setup.row_len),
@@ -206,11 +204,44 @@ def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str
                           "mfu": mfu(setup, tokens, seconds), "peak_gib": peak})
         if is_rl and not skip:
             rl_rates[budget] = total / seconds
+        if args.ab_accumulation and worker.grad_accumulation is not None and not skip:
+            ab_accumulation(setup, worker, batch, args.steps, f"| {{}} | {label} | {len(batch.micro_batches)} | "
+                            f"{int(tokens)} | {{:.3f}} | {{:,.0f}} | {{:.1%}} | {peak:.1f} |", total, tokens, name)
     if args.profile:  # last in the process (main allows it with one variant and no baseline only)
         profile(setup, lambda b=my_batch(setup, workloads[-1][1], workloads[-1][2]): worker.train_step(b))
     if name == args.memory_variant:
         memory_sweep(setup, worker, args)
     return rl_rates  # the worker is freed with this frame (free_memory)
+
+
+def ab_accumulation(setup: Setup, worker: PolicyWorker, batch: Batch, rounds: int, row: str, total: int,
+                    tokens: float, name: str) -> None:
+    """Float32 gradient accumulation by FSDP (per parameter) against the fused pass, in this process on this
+    batch, step by step in alternation (`rounds` steps each), so a difference between processes or
+    machines cannot enter the ratio. Every step is timed alone, between two device syncs."""
+    fused = worker.grad_accumulation
+    arms = {"FSDP accumulation": None, "fused accumulation": fused}
+    worker.grad_accumulation = None
+    worker.train_step(batch)  # the FSDP path's first step in this process, untimed
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for _ in range(rounds):
+        for arm, accumulation in arms.items():
+            worker.grad_accumulation = accumulation
+            sync(setup)
+            start = time.perf_counter()
+            worker.train_step(batch)
+            sync(setup)
+            times[arm].append(time.perf_counter() - start)
+    worker.grad_accumulation = fused
+    for arm, ts in times.items():
+        seconds = sum(ts) / len(ts)
+        line = row.format(f"{name} ({arm}, interleaved)", seconds, total / seconds, mfu(setup, tokens, seconds))
+        setup.rows.append(line)
+        setup.log(line)
+        setup.raw.append({"variant": f"{name} ({arm}, interleaved)", "seconds": seconds, "steps": ts,
+                          "tokens_all_gpus": total, "mfu": mfu(setup, tokens, seconds)})
+    base, new = (sum(times[a]) for a in arms)
+    setup.log(f"fused / FSDP accumulation: {base / new:.3f}x ({rounds} interleaved steps each)")
 
 
 def memory_sweep(setup: Setup, worker: PolicyWorker, args: argparse.Namespace) -> None:
@@ -347,8 +378,8 @@ def main() -> None:
     parser.add_argument("--attention", default="flash2", choices=sorted(KERNELS), help="packed attention kernel")
     parser.add_argument("--python-wrapper", action="store_true", help="compile the blocks with inductor's Python "
                         "wrapper instead of the C++ one the learner uses on CUDA: the baseline of that choice")
-    parser.add_argument("--fsdp-accumulation", action="store_true", help="leave float32 gradient accumulation to "
-                        "FSDP (one kernel per parameter) instead of the learner's fused pass: the baseline of it")
+    parser.add_argument("--ab-accumulation", action="store_true", help="after each row, time float32 gradient "
+                        "accumulation by FSDP (one kernel per parameter) against the fused pass in alternating steps")
     parser.add_argument("--dynamo", action="append", default=[], metavar="NAME=True|False",
                         help="set a boolean torch._dynamo.config option for this run (repeatable)")
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
@@ -410,8 +441,8 @@ def main() -> None:
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",
         f"- compiled blocks: inductor options {fsdp.compile_options(ctx.device)} (without activation checkpointing); dynamo settings: "
-        f"{args.dynamo or 'defaults'}; float32 gradient accumulation: "
-        f"{'FSDP, per parameter' if args.fsdp_accumulation else 'fused where one FSDP unit (fsdp.FusedGradAccumulation)'}",
+        f"{args.dynamo or 'defaults'}; float32 gradient accumulation fused where one FSDP unit "
+        "(fsdp.FusedGradAccumulation)",
     ]
     setup.log("\n".join(header))
     table_head = ("| variant | workload | micro-batches/GPU | tokens/GPU/step | step s | tokens/s (all GPUs) | MFU | "
