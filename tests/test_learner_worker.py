@@ -282,7 +282,8 @@ def test_lr_schedule() -> None:
 def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None:
     """One FSDP unit with 16-bit compute sums each micro-batch's gradients into float32 through
     FusedGradAccumulation (fsdp.py): the step it takes is FSDP's own per-parameter accumulation's to the
-    bit, and the fused path, not FSDP's, did the adding (once a copy, then one add per later micro-batch)."""
+    bit, and the fused path, not FSDP's, did the adding (per step once a copy, then one add per later
+    micro-batch), over two steps: the second starts a new float32 buffer."""
     from agentrl.learner.fsdp import FusedGradAccumulation
 
     lm = tiny_lm(seed=3)
@@ -306,8 +307,9 @@ def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None
     n = len(batch.micro_batches)
     assert n > 2
     batch.set("advantages", torch.randn(len(trajs), 1) * response_layout(trajs).mask_BR)
-    m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
-    assert calls == {"copy": 1, "add": n - 1}
-    assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
+    for step in (1, 2):
+        m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
+        assert calls == {"copy": step, "add": step * (n - 1)}
+        assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
     for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name

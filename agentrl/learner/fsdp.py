@@ -122,16 +122,20 @@ def compile_options(device: torch.device, checkpointed: bool = False) -> dict[st
 
 class FusedGradAccumulation:
     """Float32 gradient accumulation across a step's micro-batches for a one-unit FSDP model (fsdp_unit=
-    "model", 16-bit compute), in a few fused kernels instead of one per parameter.
+    "model", 16-bit compute), without FSDP's per-parameter Python and, compiled, in a few fused kernels.
 
     Between micro-batches FSDP2 keeps each parameter's gradient in its reduce dtype (float32) and adds each
     micro-batch's 16-bit gradient to it parameter by parameter: a cast or `+=` kernel and some Python per
-    parameter (338 for a Qwen2.5-1.5B), ~7 ms of GPU and ~11 ms of host per micro-batch on one H200
-    (BENCHMARKS.md, learner session 8). Here the same additions run as one `_foreach` call over all
-    parameters (compiled: horizontally fused kernels), in an autograd callback queued ahead of FSDP's own:
-    `arm` hooks the loss, whose gradient is the first the backward computes, while FSDP queues its final
-    callback from a hook on the model's outputs, computed after it. FSDP then finds no 16-bit gradient
-    left and reduces the float32 sums as it would its own.
+    parameter (338 for a Qwen2.5-1.5B), 7.4 ms of GPU and 10.8 ms of host per micro-batch on one H200
+    (BENCHMARKS.md, learner session 8). Here the same additions are one `_foreach` call over all
+    parameters, in an autograd callback queued ahead of FSDP's own: `arm` hooks the loss, whose gradient is
+    the first the backward computes, while FSDP queues its final callback from a hook on the model's
+    outputs, computed after it. FSDP then finds no 16-bit gradient left (its per-parameter checks still
+    run, cheaply) and reduces the float32 sums as it would its own. With `compiled`, inductor fuses the
+    adds across parameters; eager, `_foreach_add_` of float32 and 16-bit lists falls back to one add per
+    parameter, launched from C++ (the first micro-batch's cast is fused either way). If the loss is itself
+    the model's output, FSDP's hook comes first and FSDP's own path runs. An error raised here leaves the
+    step as FSDP's own callback failing would: the backward raises and the step must not be continued.
 
     It reads and writes FSDP's per-parameter state (`_unsharded_param`, `unsharded_accumulated_grad`),
     private names; tests/test_learner_worker.py checks that the sums are FSDP's to the bit and that this
@@ -154,7 +158,7 @@ class FusedGradAccumulation:
         return grad
 
     def _accumulate(self) -> None:
-        todo = [p for p in self.params  # reduce_dtype is set at FSDP's lazy init, on the first forward
+        todo = [p for p in self.params  # reduce_dtype exists from FSDP's lazy init, at the first forward
                 if p.reduce_dtype is not None and p._unsharded_param.grad is not None
                 and p._unsharded_param.grad.dtype != p.reduce_dtype]
         fresh = [p for p in todo if p.unsharded_accumulated_grad is None]

@@ -128,7 +128,7 @@ class Worker:
             compiled=config.compile,
             unit=self.fsdp_unit,
         )
-        # one FSDP unit with 16-bit compute: its float32 gradient sums in fused kernels (fsdp.py)
+        # one FSDP unit with 16-bit compute: its float32 gradient sums in one foreach call (fsdp.py)
         self.grad_accumulation = (FusedGradAccumulation(self.module, compiled=config.compile)
                                   if trainable and use_bf16 and self.fsdp_unit == "model" else None)
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None

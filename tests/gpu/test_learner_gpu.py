@@ -122,22 +122,34 @@ def test_compiled_matches_eager(unit: str, kernel: str, checkpointed: bool) -> N
     assert m_c["actor/loss"] == pytest.approx(m_e["actor/loss"], abs=2e-2)
 
 
-def test_fused_gradient_accumulation_matches_fsdps_on_cuda() -> None:
-    """One FSDP unit, bf16 compute: the compiled fused float32 accumulation (fsdp.FusedGradAccumulation)
-    takes FSDP's own per-parameter step to the bit on the GPU too."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_gradient_accumulation_matches_fsdps_on_cuda(compiled: bool) -> None:
+    """One FSDP unit, bf16 compute: the fused float32 accumulation (fsdp.FusedGradAccumulation), whose
+    callback runs on the autograd engine's device thread, takes FSDP's own per-parameter steps to the bit
+    on the GPU too, and it, not FSDP, did the adding."""
     from agentrl.learner.fsdp import FusedGradAccumulation
 
     lm, trajs = _setup(seed=3)
     config = LearnerConfig(device="cuda", token_budget=512, logprob_chunk_tokens=256, fsdp_unit="model")
     fused = PolicyWorker(config, AlgoConfig(), model=copy.deepcopy(lm))
     plain = PolicyWorker(config, AlgoConfig(), model=lm)
-    fused.grad_accumulation = FusedGradAccumulation(fused.module, compiled=True)
-    plain.grad_accumulation = None
+    accumulation = FusedGradAccumulation(fused.module, compiled=compiled)
+    calls = {"copy": 0, "add": 0}
+    for name in calls:
+        inner = getattr(accumulation, f"_{name}")
+
+        def counted(dst, src, inner=inner, name=name):
+            calls[name] += 1
+            inner(dst, src)
+        setattr(accumulation, f"_{name}", counted)
+    fused.grad_accumulation, plain.grad_accumulation = accumulation, None
     [batch] = pack(trajs, 512)
-    assert len(batch.micro_batches) > 2
+    n = len(batch.micro_batches)
+    assert n > 2
     batch.set("advantages", _advantages(trajs))
-    for _ in range(2):
+    for step in (1, 2):
         m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
+        assert calls == {"copy": step, "add": step * (n - 1)}
         assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
     for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
