@@ -219,7 +219,8 @@ def ab_accumulation(setup: Setup, worker: PolicyWorker, batch: Batch, rounds: in
                     tokens: float, name: str) -> None:
     """Float32 gradient accumulation by FSDP (per parameter) against the fused pass, in this process on this
     batch, step by step in alternation (`rounds` steps each), so a difference between processes or
-    machines cannot enter the ratio. Every step is timed alone, between two device syncs."""
+    machines cannot enter the ratio. Every step is timed alone, between two device syncs; the rows give each
+    arm's median step, which a one-off stalled step does not move."""
     fused = worker.grad_accumulation
     arms = {"FSDP accumulation": None, "fused accumulation": fused}
     worker.grad_accumulation = None
@@ -235,11 +236,11 @@ def ab_accumulation(setup: Setup, worker: PolicyWorker, batch: Batch, rounds: in
             times[arm].append(time.perf_counter() - start)
     worker.grad_accumulation = fused
     for arm, ts in times.items():
-        seconds = sum(ts) / len(ts)
-        line = row.format(f"{name} ({arm}, interleaved)", seconds, total / seconds, mfu(setup, tokens, seconds))
+        seconds = statistics.median(ts)
+        line = row.format(f"{name} ({arm}, interleaved, median)", seconds, total / seconds, mfu(setup, tokens, seconds))
         setup.rows.append(line)
         setup.log(line)
-        setup.raw.append({"variant": f"{name} ({arm}, interleaved)", "seconds": seconds, "steps": ts,
+        setup.raw.append({"variant": f"{name} ({arm}, interleaved, median)", "seconds": seconds, "steps": ts,
                           "tokens_all_gpus": total, "mfu": mfu(setup, tokens, seconds)})
     (base, new), (base_mid, new_mid) = ([sum(times[a]) for a in arms], [statistics.median(times[a]) for a in arms])
     setup.log(f"fused / FSDP accumulation: {base / new:.3f}x by mean, {base_mid / new_mid:.3f}x by median "

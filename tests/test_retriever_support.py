@@ -49,16 +49,24 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def make_tiny_bert(directory: Path, *, hidden: int = 32, seed: int = 0, extra_text: list[str] | None = None) -> Path:
-    """A 2-layer random BERT with a WordPiece tokenizer trained here; saved like a hub model directory."""
+    """A 2-layer random BERT with a WordPiece tokenizer built here; saved like a hub model directory.
+
+    The vocabulary is built, not trained: tokenizers' WordPiece trainer breaks ties between equally frequent
+    merges in hash order, so the same text gave a different vocabulary (and token ids, and embeddings) in each
+    process. Here it is the special tokens, then every character alone and as a continuation ("##x"), then
+    every whole word of the text, each group sorted."""
     import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(_TRAINING_TEXT + (extra_text or []), trainers.WordPieceTrainer(vocab_size=800, special_tokens=specials))
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = {w for text in _TRAINING_TEXT + (extra_text or [])
+             for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text))}
+    chars = sorted({c for w in words for c in w})
+    tokens = specials + chars + [f"##{c}" for c in chars] + sorted(words - set(chars))
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]

@@ -113,7 +113,7 @@ def test_two_vllm_processes_behind_one_pool(setup):
     s = setup
     loop = s["loop"]
     greedy = Sampling(max_tokens=NEW_TOKENS, temperature=0)
-    pool = vllm_processes(s["path_a"], 2, dtype="float32", gpu_memory_utilization=0.5, max_model_len=2048,
+    pool = vllm_processes(s["path_a"], 2, dtype="float32", gpu_memory_utilization=0.25, max_model_len=2048,
                           enforce_eager=True)
     try:
         assert pool.max_context_tokens == 2048
