@@ -235,14 +235,14 @@ def ab_accumulation(setup: Setup, worker: PolicyWorker, batch: Batch, rounds: in
             sync(setup)
             times[arm].append(time.perf_counter() - start)
     worker.grad_accumulation = fused
-    for arm, ts in times.items():
-        seconds = statistics.median(ts)
+    medians = {arm: statistics.median(ts) for arm, ts in times.items()}
+    for arm, seconds in medians.items():
         line = row.format(f"{name} ({arm}, interleaved, median)", seconds, total / seconds, mfu(setup, tokens, seconds))
         setup.rows.append(line)
         setup.log(line)
-        setup.raw.append({"variant": f"{name} ({arm}, interleaved, median)", "seconds": seconds, "steps": ts,
+        setup.raw.append({"variant": f"{name} ({arm}, interleaved, median)", "seconds": seconds, "steps": times[arm],
                           "tokens_all_gpus": total, "mfu": mfu(setup, tokens, seconds)})
-    (base, new), (base_mid, new_mid) = ([sum(times[a]) for a in arms], [statistics.median(times[a]) for a in arms])
+    (base, new), (base_mid, new_mid) = [sum(times[a]) for a in arms], list(medians.values())
     setup.log(f"fused / FSDP accumulation: {base / new:.3f}x by mean, {base_mid / new_mid:.3f}x by median "
               f"({rounds} interleaved steps each; the median is blind to a one-off stalled step)")
 
@@ -388,8 +388,8 @@ def main() -> None:
     parser.add_argument("--skip-guard-eval", action="store_true", help="time each workload a second time without "
                         "dynamo's guard checks (same batch, already compiled): what they cost the host; a measurement")
     parser.add_argument("--profile", action="store_true", help="after the timed rows, print a profiler table of the "
-                        "variant's last workload, RL lengths at the largest budget (one variant, --no-baseline: a profiler run "
-                        "slows what follows)")
+                        "variant's last workload, RL lengths at the largest budget (one variant, --no-baseline: "
+                        "a profiler run slows what follows)")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     parser.add_argument("--ours", default=None, help="VARIANT:BUDGET compared with the padded loop, named before "
                         "measuring (default: the last variant at the largest budget)")
@@ -438,13 +438,13 @@ def main() -> None:
         f"- peak: {'bf16 8192^3' if ctx.device.type == 'cuda' else 'fp32 512^3'} matmul measured here: "
         f"{setup.peak_flops / 1e12:,.4g} TFLOP/s in a burst of 10 ({sustained / 1e12:,.4g} sustained over a second); "
         "MFU = 6 * params * tokens per GPU / step time / burst peak",
-        f"- packed attention: {packed_backend(ctx.device, args.attention)}; logprob chunk {args.chunk} tokens; FSDP2, fp32 master "
-        f"weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
+        f"- packed attention: {packed_backend(ctx.device, args.attention)}; logprob chunk {args.chunk} tokens; "
+        f"FSDP2, fp32 master weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
         "one optimizer step per timed step",
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",
-        f"- compiled blocks: inductor options {fsdp.compile_options(ctx.device)} (without activation checkpointing); dynamo settings: "
-        f"{args.dynamo or 'defaults'}; float32 gradient accumulation fused where one FSDP unit "
+        f"- compiled blocks: inductor options {fsdp.compile_options(ctx.device)} (without activation checkpointing); "
+        f"dynamo settings: {args.dynamo or 'defaults'}; float32 gradient accumulation fused where one FSDP unit "
         "(fsdp.FusedGradAccumulation)",
     ]
     setup.log("\n".join(header))

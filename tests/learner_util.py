@@ -66,3 +66,27 @@ def padded_logprobs(lm, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Te
         lp_BR[b, :r] = rows.gather(1, torch.tensor(t.response_ids)[:, None]).squeeze(1)
         ent_BR[b, :r] = -(rows.exp() * rows).sum(-1)
     return lp_BR, ent_BR
+
+
+def assert_fused_accumulation_is_fsdps(fused, plain, accumulation, batch) -> None:
+    """Two train steps of `fused` (through `accumulation`, an fsdp.FusedGradAccumulation) and of `plain`
+    (FSDP's own accumulation) on `batch`: the fused path made the sums (per step once a copy, then one add
+    per later micro-batch), and grad norms and parameters are FSDP's to the bit. Over two steps: the second
+    starts a new float32 buffer."""
+    calls = {"copy": 0, "add": 0}
+    for name in calls:
+        inner = getattr(accumulation, f"_{name}")
+
+        def counted(dst, src, inner=inner, name=name):
+            calls[name] += 1
+            inner(dst, src)
+        setattr(accumulation, f"_{name}", counted)
+    fused.grad_accumulation, plain.grad_accumulation = accumulation, None
+    n = len(batch.micro_batches)
+    assert n > 2
+    for step in (1, 2):
+        m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
+        assert calls == {"copy": step, "add": step * (n - 1)}
+        assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
+    for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name

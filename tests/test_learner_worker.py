@@ -18,7 +18,7 @@ from agentrl.learner.optim import lr_factor
 from agentrl.learner.packing import Batch, pack, response_layout
 from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
-from tests.learner_util import padded_logprobs, tiny_lm, trajectories
+from tests.learner_util import assert_fused_accumulation_is_fsdps, padded_logprobs, tiny_lm, trajectories
 
 FULL_ALGO = dict(clip_high=0.28, dual_clip=3.0, kl={"coef": 0.1, "estimator": "k3"}, entropy_coef=0.01, tis_cap=2.0)
 
@@ -281,9 +281,8 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None:
     """One FSDP unit with 16-bit compute sums each micro-batch's gradients into float32 through
-    FusedGradAccumulation (fsdp.py): the step it takes is FSDP's own per-parameter accumulation's to the
-    bit, and the fused path, not FSDP's, did the adding (per step once a copy, then one add per later
-    micro-batch), over two steps: the second starts a new float32 buffer."""
+    FusedGradAccumulation (fsdp.py): FSDP's own per-parameter accumulation's steps to the bit, and the fused
+    path, not FSDP's, did the adding (learner_util.assert_fused_accumulation_is_fsdps)."""
     from agentrl.learner.fsdp import FusedGradAccumulation
 
     lm = tiny_lm(seed=3)
@@ -291,25 +290,7 @@ def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None
     fused = PolicyWorker(config, AlgoConfig(), model=copy.deepcopy(lm))
     plain = PolicyWorker(config, AlgoConfig(), model=lm)
     assert fused.grad_accumulation is not None and fused.compute_dtype == torch.bfloat16
-    fused.grad_accumulation = FusedGradAccumulation(fused.module, compiled=compiled)
-    plain.grad_accumulation = None  # FSDP's own accumulation
-    calls = {"copy": 0, "add": 0}
-    for name in calls:
-        inner = getattr(fused.grad_accumulation, f"_{name}")
-
-        def counted(dst, src, inner=inner, name=name):
-            calls[name] += 1
-            inner(dst, src)
-        setattr(fused.grad_accumulation, f"_{name}", counted)
-
     trajs = trajectories(10, seed=4)
     [batch] = pack(trajs, config.token_budget)
-    n = len(batch.micro_batches)
-    assert n > 2
     batch.set("advantages", torch.randn(len(trajs), 1) * response_layout(trajs).mask_BR)
-    for step in (1, 2):
-        m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
-        assert calls == {"copy": step, "add": step * (n - 1)}
-        assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
-    for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    assert_fused_accumulation_is_fsdps(fused, plain, FusedGradAccumulation(fused.module, compiled=compiled), batch)

@@ -14,10 +14,10 @@ spread over the engines (each engine then prefills that prompt once): that balan
 
 Weights: `update_weights` is refused while any request routed through the pool runs, before any weight
 moves, and `generate` is refused while it runs. Each bucket goes to all engines at once (engine/__init__.py's
-`load_buckets`), encoded once for those that take safetensors buckets (VLLMEngine and ProcessEngine do). If an update fails or is cancelled part-way, the engines
-may hold a mix of old and new weights: the error is raised, and `generate` is refused until a later update
-succeeds (conservatively: also where nothing had moved yet; and any successful update clears it, so it should
-send every weight).
+`load_buckets`), encoded once for those that take safetensors buckets (VLLMEngine and ProcessEngine do). If
+an update fails or is cancelled part-way, the engines may hold a mix of old and new weights: the error is
+raised, and `generate` is refused until a later update succeeds (conservatively: also where nothing had
+moved yet; and any successful update clears it, so it should send every weight).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class FusedGradAccumulation:
         self.params = list(group.fsdp_params) if group is not None else []
         self._copy, self._add = _foreach_copy, _foreach_add
         if compiled:
-            self._copy, self._add = torch.compile(_foreach_copy, dynamic=False), torch.compile(_foreach_add, dynamic=False)
+            self._copy, self._add = (torch.compile(f, dynamic=False) for f in (_foreach_copy, _foreach_add))
 
     def arm(self, loss: torch.Tensor) -> None:
         """Make the coming `loss.backward()` accumulate through this class."""

@@ -20,7 +20,7 @@ from agentrl.learner.attention import _resolve_varlen, packed_backend
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack, response_layout
 from agentrl.learner.policy import PolicyWorker
-from tests.learner_util import padded_logprobs, tiny_lm, trajectories
+from tests.learner_util import assert_fused_accumulation_is_fsdps, padded_logprobs, tiny_lm, trajectories
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -133,26 +133,9 @@ def test_fused_gradient_accumulation_matches_fsdps_on_cuda(compiled: bool) -> No
     config = LearnerConfig(device="cuda", token_budget=512, logprob_chunk_tokens=256, fsdp_unit="model")
     fused = PolicyWorker(config, AlgoConfig(), model=copy.deepcopy(lm))
     plain = PolicyWorker(config, AlgoConfig(), model=lm)
-    accumulation = FusedGradAccumulation(fused.module, compiled=compiled)
-    calls = {"copy": 0, "add": 0}
-    for name in calls:
-        inner = getattr(accumulation, f"_{name}")
-
-        def counted(dst, src, inner=inner, name=name):
-            calls[name] += 1
-            inner(dst, src)
-        setattr(accumulation, f"_{name}", counted)
-    fused.grad_accumulation, plain.grad_accumulation = accumulation, None
     [batch] = pack(trajs, 512)
-    n = len(batch.micro_batches)
-    assert n > 2
     batch.set("advantages", _advantages(trajs))
-    for step in (1, 2):
-        m_fused, m_plain = fused.train_step(batch), plain.train_step(batch)
-        assert calls == {"copy": step, "add": step * (n - 1)}
-        assert m_fused["actor/grad_norm"] == m_plain["actor/grad_norm"] > 0
-    for (name, a), (_, b) in zip(fused.module.named_parameters(), plain.module.named_parameters(), strict=True):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    assert_fused_accumulation_is_fsdps(fused, plain, FusedGradAccumulation(fused.module, compiled=compiled), batch)
 
 
 def test_fp32_on_cuda_is_exact() -> None:
