@@ -401,11 +401,33 @@ def _check_objects(rows: list[Any], path: Path, source: str) -> list[dict[str, A
     return rows
 
 
-def load_tokenizer(name_or_path: str) -> Any:
-    """A Hugging Face tokenizer from a local directory or a hub name."""
+def load_tokenizer(name_or_path: str, option: str = "--tokenizer") -> Any:
+    """A Hugging Face tokenizer from a local directory or a hub name (the local cache first). A hub name
+    that is not cached fails at once when the hub cannot be reached, rather than after the hub client's
+    retries, with an error saying to pass a local directory as `option`."""
     from transformers import AutoTokenizer
 
+    if not Path(name_or_path).is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        except (OSError, ValueError):
+            require_hub(f"tokenizer {name_or_path!r}", f"pass a local tokenizer directory as {option}")
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer {name_or_path!r} cannot be loaded: {e}") from None
+
+
+def require_hub(what: str, fix: str, timeout_s: float = 5.0) -> None:
+    """Raise ConfigError naming `what` and saying `fix` when the Hugging Face hub is off
+    (HF_HUB_OFFLINE) or cannot be reached."""
+    import httpx
+    from huggingface_hub import constants
+
+    hint = "is neither a local directory nor in the Hugging Face cache, and"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{what} {hint} HF_HUB_OFFLINE is set: {fix}")
+    try:
+        httpx.head(constants.ENDPOINT, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"{what} {hint} the hub ({constants.ENDPOINT}) cannot be reached ({e}): {fix}") from None

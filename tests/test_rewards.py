@@ -82,6 +82,8 @@ EQUAL = [
     # expressions and equations
     ("p - q", "p-q"), ("p - q", "-q + p"), ("x+1", "1+x"), ("x^2+2x+1", "(x+1)^2"), ("6 - 5i", "6-5i"),
     ("x=5", "5"), ("y = 2x + 3", "2x+3"), (r"\cot x", r"\cot x"), (r"\infty", r"\infty"),
+    ("x^2+y^2=25", "y^2 + x^2 = 25"), ("x^2+y^2=25", "25 = x^2 + y^2"), ("y=1+2x", "y = 2x + 1"),
+    ("2^{100}", str(2**100)), ("2^{100}", "1.2676506002282294e+30"),  # a float may carry float noise
     # a base-8 numeral's subscript is notation (math-verify drops it, as graders of MATH do)
     ("52_8", "52"),
     # rounded decimals of golds no finite decimal writes; words in any case; equal left sides; clock times
@@ -100,11 +102,14 @@ NOT_EQUAL = [
     ("5", ""), ("", "5"), (r"\frac{1}{2}", r"\frac{1}{2"),
     # a percent sign reads both ways on its own side only; an integer gold takes float noise, not near misses
     (r"50\%", "5000"), ("800", r"8\%"), ("70000", "70006.5"), ("204", "204.01"), ("3159.0", "3159.3"),
-    # a gold that a finite decimal or a fraction writes exactly takes no tolerance (review, session 5)
+    # a gold that a finite decimal or a fraction writes exactly takes no tolerance
     (r"\$306,\!956.63", r"\$306,987.00"), (r"\frac{10201}{200}", r"\frac{10202}{200}"),
     (r"\frac{116050}{59049}", r"\frac{116051}{59049}"),
-    # equations: the left sides must agree too
-    (r"y = \frac{3}{2}", r"x = \frac{3}{2}"), ("k=6", "y = 6"), ("k=6", "-k=6"),
+    # equations: two assignments name the same variable; other equations are compared whole
+    (r"y = \frac{3}{2}", r"x = \frac{3}{2}"), ("k=6", "y = 6"), ("k=6", "-k=6"), ("y = 3", "x = 3"),
+    ("x^2+y^2=25", "y^2 + x^2 = 26"), ("x+y=1", "x+z=1"),
+    # an integer written exactly is matched exactly, however large (float noise is for floats)
+    (r"11,\! 111,\! 111,\! 100", "11,111,111,101"), ("2^{100}", str(2**100 + 1)), ("1000000000", "1000000001"),
     (r"\text{4:30 p.m.}", r"\text{4:30 a.m.}"),
 ]
 

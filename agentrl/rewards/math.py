@@ -1,8 +1,8 @@
 """Math reward (the TORL recipe): the last `\\boxed{}` of the response, graded against the gold answer.
 
 Grading runs from cheap to expensive: (1) equal after `normalize_answer`, a Qwen2.5-Math-style clean-up of
-LaTeX noise; (2) two plain numbers compared exactly as fractions (with a tolerance for decimals, see
-`_numbers_equal`); (3) math-verify (sympy) in a worker process with a hard timeout (verify_pool.py).
+LaTeX noise; (2) two plain numbers compared exactly as fractions (a number written as a float may be off
+by float noise, a rounded decimal by Qwen's tolerance: see REL_TOL); (3) math-verify (sympy) in a worker process with a hard timeout (verify_pool.py).
 Grading never raises and never hangs: malformed input, a timeout, or any failure grades as wrong.
 rewards/__init__.py registers `MathReward` as "math"; the trainer calls it once per trajectory.
 """
@@ -222,12 +222,14 @@ _FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
 _SLASH = re.compile(r"([^/]+)/([^/]+)")
 _POWER = re.compile(r"(?:(.+?)(?:\\times|\\cdot|\*))?(\d+(?:\.\d+)?)\^(?:\{([+-]?\d+)\}|(\d))")
 _MAX_DIGITS = 2000  # bigger exact numbers are left to the worker, which can be killed
-# Two numbers are equal when equal as fractions, or within float noise (the code tool's 0.30000000000000004
-# for 0.3), or, for a decimal prediction of a gold that no finite decimal can write (1/3, 2/7), within this
-# relative distance: Qwen2.5-Math's (and so ToRL's) tolerance, which accepts 0.3333 for 1/3 (but not
-# 0.333). Unlike Qwen's grader, nothing else gets it: a gold that is an integer (AIME, AMC, GSM8K), a
-# terminating decimal ($306,956.63 to the cent) or a fraction answered with a fraction is matched exactly,
-# so 10001, 306987.00 and 10202/200 are not 10000, 306956.63 and 10201/200.
+# Two numbers are equal when equal as fractions. A prediction written as a float (with a decimal point or
+# an exponent: the code tool's 0.30000000000000004 for 0.3, 1.2676506002282294e+30 for 2^100) may also be
+# off by float noise; one written as an exact integer or fraction may not, so 11111111101 is not
+# 11111111100 and 2^100 + 1 is not 2^100. A decimal prediction of a gold that no finite decimal can write
+# (1/3, 2/7) may also be off by REL_TOL: Qwen2.5-Math's (and so ToRL's) tolerance, which accepts 0.3333
+# for 1/3 (but not 0.333). Unlike Qwen's grader, nothing else gets it: a gold that is an integer (AIME,
+# AMC, GSM8K), a terminating decimal ($306,956.63 to the cent) or a fraction answered with a fraction is
+# matched exactly, so 10001, 306987.00 and 10202/200 are not 10000, 306956.63 and 10201/200.
 REL_TOL = 1e-4
 FLOAT_NOISE = 1e-9
 
@@ -257,10 +259,13 @@ def _to_number(s: str) -> Fraction | None:
     return None
 
 
-def _numbers_equal(pred: Fraction, gold: Fraction, pred_decimal: bool) -> bool:
-    """`pred_decimal`: the prediction was written with a decimal point (a rounding, possibly)."""
+def _numbers_equal(pred: Fraction, gold: Fraction, pred_decimal: bool, pred_float: bool) -> bool:
+    """`pred_decimal`: the prediction was written with a decimal point (a rounding, possibly);
+    `pred_float`: with a decimal point or an exponent (a float, possibly carrying float noise)."""
     if pred == gold:
         return True
+    if not pred_float:
+        return False
     scale = max(abs(pred), abs(gold))
     if abs(pred - gold) <= FLOAT_NOISE * scale:
         return True
@@ -288,8 +293,10 @@ def _numeric_verdict(pred: str, gold: str, pred_percent: bool, gold_percent: boo
         candidates.append((p, g / 100))
     if pred_percent:
         candidates.append((p / 100, g))
-    decimal = "." in pred and _DECIMAL.fullmatch(pred.lstrip("+-")) is not None
-    return any(_numbers_equal(x, y, decimal) for x, y in candidates)
+    m = _DECIMAL.fullmatch(pred.lstrip("+-"))
+    decimal = m is not None and "." in pred
+    written_float = "." in pred or (m is not None and m.group(2) is not None)
+    return any(_numbers_equal(x, y, decimal, written_float) for x, y in candidates)
 
 
 # --- equivalence and the reward -----------------------------------------------------------------------
@@ -299,14 +306,20 @@ _CLOCK = re.compile(r"\d:\d\d")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
 
-def _same_left_sides(pred: str, gold: str) -> bool:
-    """An answer written `lhs = rhs` is compared by its right side only (normalize_answer drops `x =`),
-    which is sound when one side names no variable (`x = 5` for `5`). When both are equations, their left
-    sides must agree: `x = 3/2` does not answer `y = 3/2`, nor `-k = 6` answer `k = 6`."""
+def _different_equations(pred: str, gold: str, timeout_s: float) -> bool | None:
+    """The verdict on two equations whose left sides differ; None when the answers are not both
+    equations or their left sides agree (then normalize_answer compares their right sides, dropping an
+    assignment's `x =`, which is sound when the other answer names no variable: `x = 5` for `5`). Two
+    assignments of different variables differ (`x = 3/2` does not answer `y = 3/2`); any other pair is
+    compared whole, symbolically: `y^2 + x^2 = 25` answers `x^2+y^2=25`, `-k = 6` does not answer `k = 6`."""
     if pred.count("=") != 1 or gold.count("=") != 1:
-        return True
-    left = [normalize_answer(x.split("=")[0]) for x in (pred, gold)]
-    return left[0] == left[1]
+        return None
+    sides = [[normalize_answer(side) for side in x.split("=")] for x in (pred, gold)]
+    if sides[0][0] == sides[1][0]:
+        return None
+    if all(_ASSIGNMENT.fullmatch(x) for x in (pred, gold)):
+        return False
+    return verify_pool.verify("=".join(sides[0]), "=".join(sides[1]), timeout_s)
 
 
 def is_equiv(pred: Any, gold: Any, timeout_s: float = 5.0) -> bool:
@@ -314,8 +327,8 @@ def is_equiv(pred: Any, gold: Any, timeout_s: float = 5.0) -> bool:
     try:
         if not isinstance(pred, str) or not isinstance(gold, str):
             return False
-        if not _same_left_sides(pred, gold):
-            return False
+        if (verdict := _different_equations(pred, gold, timeout_s)) is not None:
+            return verdict
         p, g = normalize_answer(pred), normalize_answer(gold)
         if not p or not g:
             return False
