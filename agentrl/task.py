@@ -157,7 +157,7 @@ class RewardSpec(StrictModel):
 
 
 class Budgets(StrictModel):
-    """Every limit of a trajectory (DESIGN.md invariant 6). Token counts are engine tokens."""
+    """Every limit of a trajectory, each one explicit here. Token counts are engine tokens."""
 
     max_turns: int = Field(default=1, ge=1)  # model generations in one trajectory
     max_tool_calls: int = Field(default=0, ge=0)
