@@ -1,11 +1,11 @@
-"""The agent loop: prompts in, `Trajectory`s out (DESIGN.md invariants 1-6).
+"""The agent loop: prompts in, `Trajectory`s out, each within the task's budgets (task.Budgets).
 
 A `TrajectoryBuilder` is the state machine of one trajectory: it asks for a model turn with the token
 budget left, takes the engine's `Completion` (kept as a model segment, ids and logprobs exactly as
 sampled), decodes those ids (never the engine's text) and lets the task's tool format (tools/formats.py)
 decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Tool results
 (tools/) are rendered, tokenized on their own and appended as a masked tool segment. A failed tool is an
-observation, never an exception (invariant 4).
+observation, never an exception.
 
 Two drivers run builders: `mode="async"` gives each trajectory its own asyncio task, so one trajectory's
 tool call overlaps the others' generation; `mode="turn_sync"` runs every trajectory's turn k together,
@@ -123,7 +123,7 @@ class TrajectoryBuilder:
             obs_ids = self._fitted(action.calls, list(results))
         else:
             self.invalid_turns += 1
-            if action.reason == "malformed":  # a call the model wrote but we could not parse (invariant 4)
+            if action.reason == "malformed":  # a call the model wrote but we could not parse: a failed call
                 self.records.append(ToolRecord(self.turn, None, ToolResult(action.message, error="malformed")))
             obs_ids = self._encode(self.fmt.render_invalid(action, self._turn_text))
         response, context = self._room()
@@ -160,7 +160,7 @@ class TrajectoryBuilder:
 
 
 async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
-    """Run one call; every failure becomes a result the model sees (invariant 4)."""
+    """Run one call; every failure becomes a result the model sees, never an exception."""
     tool = tools.get(call.name)
     if tool is None:
         return ToolResult(f"Error: there is no tool {call.name!r}; available: {', '.join(tools)}", error="unknown_tool")

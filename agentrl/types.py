@@ -1,9 +1,9 @@
-"""The spine of types every stage passes along (DESIGN.md, "One spine of types").
+"""The spine of types every stage passes along.
 
 task.py makes `Prompt`s; rollout.py turns each into `Trajectory`s (prompt ids followed by `Segment`s of
 model-sampled or tool-observation tokens, one `StopReason`); tools/ turn a `ToolCall` into a
 `ToolResult`; rewards/ return a `RewardResult`; the learner packs trajectories into tensors using
-`Trajectory.loss_mask`, the one place the mask is built (DESIGN.md invariant 2).
+`Trajectory.loss_mask`, the one place the mask is built.
 No torch here: the services and the CLI import this module.
 """
 
@@ -37,7 +37,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a tool answered. A failure is still a result (invariant 4): `error` names its kind
+    """What a tool answered. A failure is still a result, never an exception: `error` names its kind
     ("timeout", "http_503", "connection", "malformed", ...) and `text` is what the model sees."""
 
     text: str
@@ -59,7 +59,7 @@ class RewardResult:
 
 
 class StopReason(str, enum.Enum):
-    """Why a trajectory ended; exactly one per trajectory (DESIGN.md invariant 3)."""
+    """Why a trajectory ended; exactly one per trajectory."""
 
     ANSWERED = "answered"  # the tool format saw a final answer (e.g. </answer>)
     EOS = "eos"  # the model ended its turn without a tool call

@@ -8,7 +8,7 @@ Each run is the fastest of `--repeats`. A least-squares
 fit `step_ms = fixed + per_seq * B` splits a step into what every step pays (kernels, launches, the
 engine loop) and what each sequence in it adds (scheduling, sampling bookkeeping, output processing,
 detokenisation). Where `per_seq * B` dominates, a step of few sequences is about proportionally cheaper,
-and the straggler tail of a turn-synchronous rollout costs little (BENCHMARKS.md, rollout run 4).
+and the straggler tail of a turn-synchronous rollout costs little.
 
 Option sets (cumulative from what engine/vllm.py asks for):
 - agentrl:     the sampled token's logprob (flat), a stop string, detokenised output;

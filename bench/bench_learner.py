@@ -82,9 +82,9 @@ def sync(setup: Setup) -> None:
 
 def measure_peak(setup: Setup) -> tuple[float, float]:
     """Dense matmul FLOP/s: bf16 8192^3 on GPU (fp32 512^3 on CPU, only to exercise the code), over random
-    data. -> (burst: the first 10 matmuls after a warm-up, sustained: at least a second). An H200 measured
-    ~790 and ~670 TFLOP/s (BENCHMARKS.md): under the power limit random-data matmuls slow down within a
-    second. MFU divides by the burst figure, the larger one (the "about 800" the issue names)."""
+    data. -> (burst: the first 10 matmuls after a warm-up, sustained: at least a second). Under the power
+    limit random-data matmuls slow down within a second, so the sustained figure is the lower one. MFU
+    divides by the burst figure, the larger, which gives the lower MFU."""
     n, dtype = (512, torch.float32) if setup.device.type == "cpu" else (8192, torch.bfloat16)
     a = torch.randn(n, n, device=setup.device, dtype=dtype)
     b = torch.randn(n, n, device=setup.device, dtype=dtype)

@@ -342,7 +342,7 @@ def main() -> None:
     if len(modes) == 1:
         rows, start = measure(args, modes[0])
         start_s = {modes[0]: start}
-    else:  # a second engine in one process ran 15-20% slower in every mode (BENCHMARKS.md, rollout run 4)
+    else:  # each engine in a process of its own: a second engine in one process ran slower in every mode
         rows, start_s = [], {}
         for mode in modes:
             with tempfile.TemporaryDirectory() as tmp:

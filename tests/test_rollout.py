@@ -263,7 +263,7 @@ def test_hermes_malformed_and_unknown_tool_are_observations(qwen_tokenizer):
     _, (t,) = do_rollout(tok, fmt, scripts, Budgets(max_turns=3, max_tool_calls=2), {"python": FunctionTool("python", run_python)})
     assert "not valid JSON" in tok.decode(t.segments[1].token_ids)
     assert "there is no tool 'calculator'" in tok.decode(t.segments[3].token_ids)
-    malformed, unknown = t.tool_records  # the unparsable call is a record too (invariant 4), with no call
+    malformed, unknown = t.tool_records  # the unparsable call is a record too (a failed call), with no call
     assert malformed.call is None and malformed.result.error == "malformed"
     assert unknown.call.name == "calculator" and unknown.result.error == "unknown_tool"
     assert t.stop_reason == StopReason.EOS

@@ -3,7 +3,7 @@
 `Engine.generate(prompt_ids, sampling)` continues a token sequence and returns a `Completion`: exactly the
 ids sampled, each with its logprob, and why generation stopped. Stop strings stay in the output (the
 token that completes a stop string is returned whole, even when the string ends inside it), so the ids
-the learner trains on are the ids sampled (DESIGN.md invariant 1).
+the learner trains on are the ids sampled.
 
 Logprobs are those of the distribution sampled from: log_softmax(logits / temperature), renormalised over
 the tokens top-k / top-p keep when they are on (what vLLM's `processed_logprobs` give; with both off, the
@@ -12,7 +12,8 @@ the learner's importance-sampling correction needs.
 
 Implementations: hf.py (transformers; CPU and GPU; the test double and small runs) and vllm.py (vLLM
 AsyncLLM; GPU); process.py runs any engine in a process of its own, pool.py puts several behind one.
-`update_weights`, `sleep` and `wake` are there for weight_sync.py and colocated training.
+`update_weights`, `sleep` and `wake` are there for the learner's weight updates and for training on the
+same GPUs as generation.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Engine(Protocol):
         ...
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        """Replace weights in place with Hugging Face-named tensors (weight_sync.py)."""
+        """Replace weights in place with Hugging Face-named tensors (the learner's, after a step)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -3,9 +3,9 @@ its session key (its earlier turns are in that engine's prefix cache); weights g
 
 Why several engines on one GPU: vLLM's frontend (detokenising, stop strings, logprobs, the output queues of
 every running request) is one Python event loop per engine. At a rollout's concurrency it saturates its
-core and falls behind the engine core, and a multi-turn loop pays that lag at every turn (BENCHMARKS.md,
-rollout runs 8 and 9). With two engines on one H200, each in a process of its own (process.py), the async
-loop ran at 0.94-0.95x plain generation, against 0.75-0.86x with one such engine (rollout run 9).
+core and falls behind the engine core, and a multi-turn loop pays that lag at every turn. Two engines on
+the GPU, each in a process of its own (process.py), split that work, and the async loop then keeps close to
+plain generation's throughput where one such engine does not (BENCHMARKS.md).
 `vllm.vllm_processes` makes such a pool; any engines can be pooled (the tests pool transformers engines).
 
 A session always maps to the same engine (crc32 of the key), so routing needs no state; requests without a

@@ -2,8 +2,8 @@
 
 Why: vLLM's frontend handles every engine step's output for every running request (token ids, logprobs,
 detokenisation, stats) on the event loop of the process that made the AsyncLLM. At a rollout's concurrency
-that saturates the process (BENCHMARKS.md, rollout run 8): the output handler ran up to seconds behind the
-engine core, and the rollout's own 100 ms tool calls took up to 1.4 s, their timers waiting for the loop.
+that saturates the process: the output handler falls far behind the engine core, and the rollout's own
+tool calls and their timers wait behind it on the same loop.
 In a child process the engine's frontend has a core to itself and the rollout's loop stays free for tools;
 several children (each vLLM one with its own engine core, sharing a GPU or on one each) split that work.
 

@@ -17,19 +17,18 @@ arguments), then the prefix cache is reset.
 `admission_interval_ms` (200 by default; 0 turns it off) holds each new request until the next multiple of
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
-graphs). Measured on H200s (BENCHMARKS.md, rollout runs 3 and 7): the async loop's throughput +8% at
-20 ms and +11% at 50 ms against none; 200 ms +8-9% over 50 ms in two paired repeats on heavy-tailed turns
-(both with 50 ms first, so order is not ruled out), for at most 200 ms more per turn. While new turns
-wait, the other trajectories' steps run with fewer sequences, which costs little where steps are bound by
+graphs). Waves raise the async loop's throughput against admitting every turn at once, and 50 and 200 ms
+waves measured alike (BENCHMARKS.md); a turn waits at most one interval more. While new turns wait, the
+other trajectories' steps run with fewer sequences, which costs little where steps are bound by
 per-sequence host work, as they are for small models.
 
 The frontend's per-step work (per running request: detokenising, stop strings, logprobs, stats) is one
-Python event loop per engine, and at a rollout's concurrency it saturates its process (BENCHMARKS.md,
-rollout run 8). So requests without stop strings skip detokenisation, `log_stats=False` turns off vLLM's
+Python event loop per engine, and at a rollout's concurrency it saturates its process and falls behind the
+engine core. So requests without stop strings skip detokenisation, `log_stats=False` turns off vLLM's
 stats there, and `vllm_processes(model, 2)` runs two engines on the GPU, each in a process of its own
-(engine/process.py) behind one EnginePool (pool.py), each frontend with half the requests. On one H200,
-256 concurrent trajectories of a 1.5B model, that took the async multi-turn loop from 0.75-0.86x to
-0.94-0.95x plain generation (rollout run 9).
+(engine/process.py) behind one EnginePool (pool.py), each frontend with half the requests: with two, the
+async multi-turn loop keeps close to plain generation's throughput where one engine does not
+(BENCHMARKS.md).
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
@@ -193,9 +192,9 @@ def vllm_processes(model: str, processes: int = 2, *, gpu_memory_utilization: fl
                    env: dict[str, str] | None = None, start_timeout_s: float = 900.0,
                    factory: type[VLLMEngine] | None = None, **engine_kwargs: Any) -> EnginePool:
     """`processes` VLLMEngines over the same GPU(s), each in a process of its own (engine/process.py), behind one
-    EnginePool (pool.py): several frontends (and engine cores) share the work that saturates one
-    (BENCHMARKS.md, rollout run 9). `gpu_memory_utilization` is split evenly between them; they start one after
-    another, since vLLM checks at start that an engine's share of the GPU's memory is free. `factory` is
+    EnginePool (pool.py): several frontends (and engine cores) share the work that saturates one.
+    `gpu_memory_utilization` is split evenly between them; they start one after another, since vLLM checks
+    at start that an engine's share of the GPU's memory is free. `factory` is
     VLLMEngine or a subclass (the bench's)."""
     from agentrl.engine.pool import EnginePool
     from agentrl.engine.process import ProcessEngine

@@ -9,8 +9,8 @@ builds no mask for an implementation it does not know, so no [T, T] mask is ever
 Per device:
 - CUDA: the FlashAttention-2 varlen kernels inside torch (`aten._flash_attention_forward`): no padding, no
   mask, cost proportional to the sum of squared sequence lengths. With `learner.attention_kernel: fa4`, the
-  flash-attn-4 package's varlen kernels instead (Hopper/Blackwell; opt-in: a training step on one H200
-  was 1.07x faster with them on one machine, 1.055x and 0.92x on two others: BENCHMARKS.md, sessions 8-9).
+  flash-attn-4 package's varlen kernels instead (Hopper/Blackwell; opt-in: it needs that package, and its
+  faster training step did not hold on every machine measured: BENCHMARKS.md).
 - CPU, float32 on CUDA (flash kernels are 16-bit only) and CUDA builds without flash attention: one
   `scaled_dot_product_attention(is_causal=True)` per sequence, exact and mask-free too.
 Without packing kwargs (plain unpadded rows) it is causal SDPA over each row.

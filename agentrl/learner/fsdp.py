@@ -112,11 +112,11 @@ def shard(
 def compile_options(device: torch.device, checkpointed: bool = False) -> dict[str, object]:
     """Inductor options for the compiled blocks. On CUDA the C++ wrapper: the code that launches a block's
     kernels is compiled C++, not Python, less host work per micro-batch where the host's launching can
-    bound the step (a 1.5B model on 4k-token micro-batches; BENCHMARKS.md, learner session 9: 1.10x in one
-    pair of runs on one machine, no difference on packed 4k on another). Not under activation
-    checkpointing: there inductor wraps the flash-attention op (seeded, for dropout) in an RNG-state
-    operator its C++ wrapper cannot emit (torch 2.11). On the CPU the kernels run synchronously, so host
-    launch time hides nothing and the Python wrapper (quicker to build) stays."""
+    bound the step (a 1.5B model on 4k-token micro-batches); measured on packed micro-batches, no gain and
+    no loss was established (BENCHMARKS.md). Not under activation checkpointing: there inductor wraps the
+    flash-attention op (seeded, for dropout) in an RNG-state operator its C++ wrapper cannot emit (torch
+    2.11). On the CPU the kernels run synchronously, so host launch time hides nothing and the Python
+    wrapper (quicker to build) stays."""
     return {"cpp_wrapper": device.type == "cuda" and not checkpointed}
 
 
@@ -126,13 +126,13 @@ class FusedGradAccumulation:
 
     Between micro-batches FSDP2 keeps each parameter's gradient in its reduce dtype (float32) and adds each
     micro-batch's 16-bit gradient to it parameter by parameter: a cast or `+=` kernel and some Python per
-    parameter (338 for a Qwen2.5-1.5B), 7.4 ms of GPU and 10.8 ms of host per micro-batch on one H200
-    (BENCHMARKS.md, learner session 8). Here the same additions are one `_foreach` call over all
-    parameters, in an autograd callback queued ahead of FSDP's own: `arm` hooks the loss, whose gradient is
-    the first the backward computes, while FSDP queues its final callback from a hook on the model's
-    outputs, computed after it. FSDP then finds no 16-bit gradient left (its per-parameter checks still
-    run, cheaply) and reduces the float32 sums as it would its own. With `compiled`, inductor fuses the
-    adds across parameters; eager, `_foreach_add_` of float32 and 16-bit lists falls back to one add per
+    parameter (338 for a Qwen2.5-1.5B) at every micro-batch, time on the GPU and on the host alike. Here the
+    same additions are one `_foreach` call over all parameters, in an autograd callback queued ahead of
+    FSDP's own: `arm` hooks the loss, whose gradient is the first the backward computes, while FSDP queues
+    its final callback from a hook on the model's outputs, computed after it. FSDP then finds no 16-bit
+    gradient left (its per-parameter checks still run, cheaply) and reduces the float32 sums as it would its
+    own. With `compiled`, inductor fuses the adds across parameters (measured faster per step than FSDP's
+    path: BENCHMARKS.md); eager, `_foreach_add_` of float32 and 16-bit lists falls back to one add per
     parameter, launched from C++ (the first micro-batch's cast is fused either way). If the loss is itself
     the model's output, FSDP's hook comes first and FSDP's own path runs. An error raised here leaves the
     step as FSDP's own callback failing would: the backward raises and the step must not be continued.

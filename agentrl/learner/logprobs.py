@@ -3,7 +3,8 @@
 A 152k-token vocabulary makes the logits of a 4k-token micro-batch 2.5 GB in fp32, and autograd would keep
 several such tensors alive until backward. `token_logprobs` instead projects `chunk_tokens` positions at a
 time, keeps only per-token numbers (logprob, log-sum-exp, entropy) and recomputes each chunk's logits in
-backward (one extra vocabulary matmul, about 5% of a 1.5B model's step), so memory for the head stays one
+backward (one extra vocabulary matmul: 2 x vocabulary x hidden FLOPs per token, about 5% of a 1.5B model's
+6 x parameters), so memory for the head stays one
 chunk's worth however large the micro-batch is. Gradients flow to the hidden states, the output embedding
 (tied or not) and its bias, for the logprob and the entropy both.
 

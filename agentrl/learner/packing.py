@@ -5,8 +5,8 @@ a micro-batch of at most `token_budget` tokens (a longer sequence gets a micro-b
 padding: position ids restart at 0 for every sequence and `cu_seqlens` marks where each starts, which the
 packed attention (attention.py) uses to keep attention inside a sequence. Per-token tensors are aligned to
 the position that *predicts* the token: position t carries target ids[t+1], its loss mask (from
-`Trajectory.loss_mask`, invariant 2) and the engine's logprob of it; a sequence's last position predicts
-nothing.
+`Trajectory.loss_mask`, the one place the mask is built) and the engine's logprob of it; a sequence's last
+position predicts nothing.
 
 Sequences are spread over data-parallel ranks balanced by token count, then first-fit-decreasing into
 micro-batches; every rank gets the same number of micro-batches (FSDP's collectives need that), adding a

@@ -5,7 +5,7 @@
 chunk. `PolicyWorker.train_step` combines them with the algorithm's pure losses (agentrl/algo/loss.py):
 PPO clip (asymmetric, dual), truncated IS against the engine's logprobs, KL to the reference as a loss
 term, an entropy bonus, aggregated with whole-batch weights. The trainer calls `compute_logprobs`,
-`train_step`, `state_for_sync` (for weight_sync.py), `save`/`load` and `export_hf`.
+`train_step`, `state_for_sync` (the weights to send to the engines), `save`/`load` and `export_hf`.
 """
 
 from __future__ import annotations

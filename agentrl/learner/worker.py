@@ -82,8 +82,9 @@ AUTO_MODEL_UNIT_SHARE = 0.15
 
 def auto_unit(module: nn.Module, ctx: DistContext, trainable: bool) -> str:
     """FSDP unit for fsdp_unit="auto": "model" on one rank when its memory cost is small, else "block".
-    One unit drops FSDP's per-block hooks (BENCHMARKS.md, learner session 5: 1.12-1.22x on packed 4k
-    micro-batches of a 1.5B model on one H200); several ranks keep per-block units, which shard weights."""
+    One unit drops FSDP's per-block hooks, host work that can bound the short micro-batches of a small model
+    (measured faster on packed micro-batches: BENCHMARKS.md); several ranks keep per-block units, which shard
+    weights."""
     if ctx.world_size > 1:
         return "block"
     extra = sum(p.numel() for p in module.parameters()) * (6 if trainable else 2)

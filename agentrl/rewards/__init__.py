@@ -1,6 +1,6 @@
 """Rewards by name: a task spec says `reward: {name: math, params: {...}}` and the trainer builds it here.
 
-A reward is called once per trajectory with the response text only (DESIGN.md invariant 5):
+A reward is called once per trajectory with the response text only, never the prompt:
 `reward(response, ground_truth, *, tool_calls=0, tool_errors=0) -> RewardResult`, the score plus named
 sub-scores (`correct`, `has_answer`, ...) that the trainer logs as `reward/<name>`. `ground_truth` is one
 answer or a list of acceptable ones. math.py grades boxed math answers (TORL); qa.py scores `<answer>`

@@ -2,8 +2,8 @@
 
 `QAExactMatch` ("qa_em") is Search-R1's reward: exact match after SQuAD-style normalisation (lowercase,
 no punctuation, no articles, single spaces), with an optional `format_score` for a well-formed but wrong
-answer. `QAF1` ("qa_f1") is token-level F1, the max over gold answers. Both read the response only
-(DESIGN.md invariant 5), so one `<answer>` tag suffices; Search-R1 scored prompt + response, whose prompt
+answer. `QAF1` ("qa_f1") is token-level F1, the max over gold answers. Both read the response only,
+never the prompt, so one `<answer>` tag suffices; Search-R1 scored prompt + response, whose prompt
 already holds an `<answer>` example, and had to require two. rewards/__init__.py registers both.
 """
 

@@ -2,7 +2,7 @@
 
 A `Tool` turns a `ToolCall` (parsed from model text by a ToolFormat, tools/formats.py) into a
 `ToolResult` (agentrl/types.py). Failures never raise out of `call`: a timeout, a 5xx or a dead service
-becomes a result whose `error` names the kind and whose `text` the model sees (DESIGN.md invariant 4).
+becomes a result whose `error` names the kind and whose `text` the model sees.
 Clients: code.py (the sandbox service, sandbox/) and search.py (the retrieval service, retriever/).
 """
 

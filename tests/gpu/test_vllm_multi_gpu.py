@@ -78,8 +78,8 @@ def test_two_gpu_layout_matches_hf_and_takes_weight_updates(setup, layout):
               f"{same_b}/{N_PROMPTS} after it (model b)")
         assert same_a >= 0.95 * N_PROMPTS
         # A shard or replica the update missed answers as model a, which agrees with b on few prompts (checked
-        # here), so a miss fails this bound; model b under tensor parallelism met float near-ties on 2 of 32
-        # prompts (an H200 pair, 2026-11-30).
+        # here), so a miss fails this bound; tensor parallelism sums in another order and can meet float
+        # near-ties on a few prompts, hence not all of them.
         assert sum(a == b for a, b in zip(s["expected"]["a"], s["expected"]["b"], strict=True)) <= 0.25 * N_PROMPTS
         assert same_b >= 0.9 * N_PROMPTS
     finally:
