@@ -164,6 +164,32 @@ def tasks_check(
         console.print(f"wrote {out}/config.yaml, results.jsonl, summary.json", markup=False)
 
 
+@app.command("train")
+def train(
+    config: Annotated[Path, typer.Argument(help="A run config (configs/*.yaml).")],
+    overrides: SetOption = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this run dir (default: trainer.run_dir, "  # noqa: UP045
+                                                   "which resumes by itself when it holds a checkpoint).")] = None,
+) -> None:
+    """Train a policy with RL: rollouts with tools, rewards, advantages, learner steps, checkpoints."""
+    from agentrl.config import ConfigError
+    from agentrl.run import load_run_config
+
+    sets = list(overrides or [])
+    if resume is not None:
+        if not (resume / "checkpoints" / "latest").exists():
+            raise _fail(f"--resume {resume}: no checkpoint there (expected {resume}/checkpoints/latest)")
+        sets.append(f"trainer.run_dir={resume}")
+    try:
+        run_config = load_run_config(config, sets)
+        from agentrl.trainer import train as run_training
+
+        run_dir = run_training(run_config)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"run dir: {run_dir.root}")
+
+
 def main() -> None:
     app()
 

@@ -62,6 +62,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_model(model_cls: type[M], path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> M:
     """Load `path` (YAML) into `model_cls`, applying `--set` overrides first."""
+    return validate(model_cls, apply_overrides(read_yaml(path), overrides, model_cls), str(path))
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping at the top of YAML file `path`; ConfigError naming the file for anything else."""
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -82,7 +87,7 @@ def load_model(model_cls: type[M], path: str | os.PathLike[str], overrides: Iter
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
-    return validate(model_cls, apply_overrides(data, overrides, model_cls), source)
+    return data
 
 
 def validate(model_cls: type[M], data: Mapping[str, Any], source: str) -> M:

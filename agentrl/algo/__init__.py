@@ -75,6 +75,10 @@ class AlgoConfig(StrictModel):
         None, gt=0.0, description="truncated importance sampling between engine and learner logprobs, e.g. 2"
     )
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    drop_void_turns: bool = Field(
+        False, description="SimpleTIR: trajectories with a turn that neither called a tool nor answered "
+        "take no part in the loss"
+    )
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
 
     @model_validator(mode="after")

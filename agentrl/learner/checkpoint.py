@@ -142,8 +142,9 @@ def load(
 
 
 def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: str, dtype: torch.dtype,
-              ctx: DistContext) -> None:
-    """`save_pretrained` of the HF model inside `module` with gathered weights in `dtype` (rank 0 writes)."""
+              ctx: DistContext, tokenizer: Any = None) -> None:
+    """`save_pretrained` of the HF model inside `module` with gathered weights in `dtype` (rank 0 writes),
+    with `tokenizer`'s files beside it when one is given."""
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.rank == 0:
         # a tied output embedding is the input embedding under a second name: write it once
@@ -164,6 +165,8 @@ def export_hf(path: str | Path, module: nn.Module, hf_model: nn.Module, prefix: 
         config = copy.deepcopy(hf_model.config)
         config.dtype = dtype  # save_pretrained recorded the float32 master weights' dtype
         config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         _swap_in(final)
     dist.barrier()
 

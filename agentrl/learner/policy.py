@@ -99,6 +99,7 @@ class PolicyWorker(Worker):
         }
         return loss, stats
 
-    def export_hf(self, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
-        """`save_pretrained` directory (config + safetensors) that transformers and vLLM load. Collective."""
-        checkpoint.export_hf(path, self.module, self.lm, self.hf_prefix, dtype, self.ctx)
+    def export_hf(self, path: str, dtype: torch.dtype = torch.bfloat16, tokenizer: object = None) -> None:
+        """`save_pretrained` directory (config + safetensors, and `tokenizer`'s files when given) that
+        transformers and vLLM load. Collective."""
+        checkpoint.export_hf(path, self.module, self.lm, self.hf_prefix, dtype, self.ctx, tokenizer)

@@ -23,7 +23,6 @@ from torch.profiler import record_function
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import aggregation_weights
-from agentrl.engine import bucket_by_bytes
 from agentrl.learner import checkpoint
 from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
@@ -244,10 +243,6 @@ class Worker:
         """(HF name, full tensor on this device) per parameter, one at a time, in `dtype` (default: the
         compute dtype). Collective: every rank must exhaust the iterator."""
         return checkpoint.iter_full_state(self.module, self.hf_prefix, dtype or self.compute_dtype)
-
-    def state_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-        """`state_for_sync` grouped into lists of about `bucket_bytes` (a tensor larger than that is alone)."""
-        return bucket_by_bytes(self.state_for_sync(dtype), bucket_bytes)
 
     def save(self, path: str, extra: dict[str, object] | None = None) -> None:
         """Checkpoint weights, optimizer, schedule, step counters, RNG of every rank and `extra` (e.g. the

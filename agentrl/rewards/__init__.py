@@ -10,12 +10,13 @@ model, so task.py validates them with `params_model(name)` before anything is bu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from agentrl.config import StrictModel
 from agentrl.rewards.math import MathReward
 from agentrl.rewards.qa import QAF1, QAExactMatch
-from agentrl.types import RewardResult
+from agentrl.types import RewardResult, Trajectory
 
 
 class Reward(Protocol):
@@ -39,3 +40,17 @@ def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:
     ValidationError naming it)."""
     model = params_model(name)
     return REWARDS[name](model.model_validate(params or {}))
+
+
+def model_text(trajectory: Trajectory, tokenizer: Any) -> str:
+    """What the model wrote in `trajectory`: its sampled segments decoded, never the prompt or a tool
+    observation (a program printing `\\boxed{42}` must not earn the reward for 42)."""
+    return "".join(tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == "model")
+
+
+def score(trajectories: Iterable[Trajectory], reward: Reward, tokenizer: Any) -> None:
+    """Set each trajectory's `reward` from the text the model wrote and its tool calls."""
+    for t in trajectories:
+        errors = sum(not r.result.ok for r in t.tool_records)
+        t.reward = reward(model_text(t, tokenizer), t.prompt.ground_truth, tool_calls=len(t.tool_records),
+                          tool_errors=errors)

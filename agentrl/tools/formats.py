@@ -245,8 +245,23 @@ class HermesFormat(ToolFormat):
         return self._appended([invalid.message])
 
 
-def build_format(name: str, *, tokenizer: Any = None, observation_max_chars: int | None = None,
+class NoTools(ToolFormat):
+    """A task without tools: no stop strings, and every turn ends the trajectory."""
+
+    name = "none"
+
+    def parse(self, text: str, stop: str | None) -> Action:
+        return None
+
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        raise RuntimeError("a task without tools renders no tool results")
+
+
+def build_format(name: str | None, *, tokenizer: Any = None, observation_max_chars: int | None = None,
                  tool_schemas: list[dict] | None = None) -> ToolFormat:
+    """The format a task spec's `tools.format` names; None: the task has no tools."""
+    if name is None:
+        return NoTools()
     if name == "torl":
         return TorlFormat(observation_max_chars if observation_max_chars is not None else 256)
     if name == "search_r1":

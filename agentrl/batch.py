@@ -1,0 +1,124 @@
+"""Scored groups -> the learner's packed batches, in one fixed order.
+
+1. Flatten the groups (algo/sampling.py): trajectories, rewards, group ids.
+2. Shape and filter: DAPO's overlong penalty on the rewards; rows dropped from the loss (a 0 row scale,
+   never a rebuilt mask): truncated trajectories (overlong filtering) and, as SimpleTIR does, those with a
+   void turn (a turn with neither a tool call nor a final answer).
+3. Split the groups into the step's mini-batches and pack each once (learner/packing.py).
+4. Logprobs under the weights that sampled (old), the reference's, the critic's values, mini-batch by
+   mini-batch, assembled in the response layout [B, R].
+5. Advantages over the whole step (algo/advantage.py), then `Batch.set` on every mini-batch.
+
+The trainer calls `build_batch` once per step and hands the mini-batches to the learner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from agentrl.algo import AlgoConfig
+from agentrl.algo.advantage import compute_advantages
+from agentrl.algo.loss import kl_penalty
+from agentrl.algo.sampling import flatten_groups, keep_untruncated, overlong_penalty
+from agentrl.learner.packing import Batch, pack, response_layout
+from agentrl.types import Group, StopReason, Trajectory
+
+
+@dataclass
+class StepBatch:
+    mini_batches: list[Batch]
+    trajectories: list[Trajectory]
+    metrics: dict[str, float]
+
+
+def has_void_turn(t: Trajectory) -> bool:
+    """A turn that neither called a tool nor answered: an invalid action (a malformed call, an output
+    block without code), or a trajectory that ended on its own without a final answer."""
+    answered = t.reward is not None and t.reward.parts.get("has_answer", 1.0) > 0
+    return t.timings.get("invalid_turns", 0.0) > 0 or (t.stop_reason == StopReason.EOS and not answered)
+
+
+def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
+    """Row indices of `parts` mini-batches of whole groups, in order, as even as the groups allow."""
+    parts = min(parts, len(groups))
+    bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
+    rows, start = [], 0
+    starts = []
+    for g in groups:
+        starts.append(start)
+        start += len(g.trajectories)
+    starts.append(start)
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        rows.append(list(range(starts[a], starts[b])))
+    return rows
+
+
+def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int, mini_batches: int, policy: Any,
+                reference: Any = None, critic: Any = None, drop_void_turns: bool = False) -> StepBatch:
+    trajectories, rewards_B, group_ids_B = flatten_groups(groups)
+    layout = response_layout(trajectories)
+    metrics = {"reward/mean": float(rewards_B.mean())}
+    for part in sorted({k for t in trajectories if t.reward for k in t.reward.parts}):
+        metrics[f"reward/{part}"] = sum(t.reward.parts.get(part, 0.0) for t in trajectories if t.reward) / len(trajectories)
+
+    overlong = algo.overlong
+    if overlong.max_tokens is not None:
+        rewards_B = rewards_B + overlong_penalty(layout.response_lens_B, overlong.max_tokens, overlong.buffer_tokens,
+                                                 overlong.penalty)
+        metrics["reward/shaped_mean"] = float(rewards_B.mean())
+    scale_B = torch.ones(len(trajectories))
+    if overlong.filter_truncated:
+        kept = keep_untruncated(trajectories)
+        metrics["batch/truncated_dropped"] = float((kept == 0).sum())
+        scale_B = scale_B * kept
+    if drop_void_turns:
+        void = torch.tensor([0.0 if has_void_turn(t) else 1.0 for t in trajectories])
+        metrics["batch/void_dropped"] = float((void == 0).sum())
+        scale_B = scale_B * void
+
+    world, rank = policy.ctx.world_size, policy.ctx.rank
+    parts = split_groups(groups, mini_batches)
+    batches = [pack([trajectories[i] for i in rows], token_budget, world, scale_B[rows])[rank] for rows in parts]
+
+    def assemble(compute: Any) -> Tensor:
+        out_BR = torch.zeros_like(layout.mask_BR)
+        for rows, b in zip(parts, batches, strict=True):
+            out_BR[rows, : b.max_response_len] = compute(b)
+        return out_BR
+
+    mask_BR = layout.mask_BR * scale_B[:, None]
+    old_BR = assemble(policy.compute_logprobs)
+    ref_BR = assemble(reference.compute_logprobs) if reference is not None else None
+    values_BR = assemble(critic.compute_values) if critic is not None else None
+    kl_BR = kl_penalty(old_BR, ref_BR, algo.kl.estimator) * layout.mask_BR if ref_BR is not None else None
+    advantages_BR, returns_BR = compute_advantages(algo, rewards_B, group_ids_B, mask_BR, values_BR, kl_BR)
+
+    for rows, b in zip(parts, batches, strict=True):
+        width = b.max_response_len
+        b.set("advantages", advantages_BR[rows, :width])
+        b.set("old_logprobs", old_BR[rows, :width])
+        if ref_BR is not None:
+            b.set("ref_logprobs", ref_BR[rows, :width])
+        if values_BR is not None and returns_BR is not None:
+            b.set("old_values", values_BR[rows, :width])
+            b.set("returns", returns_BR[rows, :width])
+
+    tokens = layout.mask_BR.sum().clamp(min=1)
+    gap_BR = (old_BR - layout.engine_logprobs_BR).abs() * layout.mask_BR
+    metrics |= {
+        "batch/trajectories": float(len(trajectories)),
+        "batch/mini_batches": float(len(batches)),
+        "batch/loss_tokens": float(mask_BR.sum()),
+        "batch/advantage_mean": float((advantages_BR * mask_BR).sum() / mask_BR.sum().clamp(min=1)),
+        # the engine's logprobs against the learner's for the same weights: numerics, not learning
+        "rollout/logprob_gap/mean_abs": float(gap_BR.sum() / tokens),
+        "rollout/logprob_gap/max_abs": float(gap_BR.max()) if gap_BR.numel() else 0.0,
+    }
+    if kl_BR is not None:
+        metrics["actor/ref_kl"] = float(kl_BR.sum() / tokens)
+    return StepBatch(batches, trajectories, metrics)

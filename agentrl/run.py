@@ -1,0 +1,270 @@
+"""The run config (one YAML file drives a run) and the run directory it writes.
+
+`RunConfig` composes the stage configs that already exist: the task spec (task.py), the rollout's
+sampling (rollout.RolloutConfig), the algorithm (algo.AlgoConfig) and the learner (learner.LearnerConfig),
+plus what only a run has: the model, the engine, the trainer's schedule, the services and logging.
+`load_run_config` reads the YAML, inlines a task named by path (`task: tasks/torl_math.yaml`, or
+`task: {base: tasks/torl_math.yaml, dataset: {...}}` to change some of its keys), so that
+`--set task.dataset.path=...` works like any other key, and validates it. A value that two stages must agree on is set in one place and
+derived everywhere else (`_derive`); giving it a second, different value is an error naming both keys.
+
+`RunDir` is the run directory: the resolved `config.yaml`, `metrics.jsonl` (and TensorBoard events),
+`samples/step_N.jsonl`, `prompt_stats.jsonl`, `checkpoints/step_N/` with a `latest` marker, `export/`.
+Every file is written whole (a temporary file renamed into place) or appended one whole line per write,
+so a run killed at any moment leaves nothing half-written; a resumed run drops the lines of the steps it
+redoes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from agentrl.algo import AlgoConfig
+from agentrl.config import ConfigError, StrictModel, apply_overrides, atomic_write_text, read_yaml, validate
+from agentrl.learner.config import LearnerConfig
+from agentrl.rollout import RolloutConfig
+from agentrl.task import TaskSpec
+
+
+class ModelConfig(StrictModel):
+    """The policy's starting weights: a local HF checkpoint or a hub name (`path`), or a transformers
+    config dict with random weights (`config`, for tests and the quickstart)."""
+
+    path: str | None = None
+    config: dict[str, Any] | None = Field(None, description="transformers config kwargs, model_type included")
+    tokenizer: str | None = Field(None, description="tokenizer dir or hub name; default: path")
+    init_seed: int = Field(0, description="seed of the random initialisation (config only)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.config is None):
+            raise ValueError("give exactly one of model.path (a checkpoint) or model.config (random weights)")
+        if self.config is not None and self.tokenizer is None:
+            raise ValueError("model.config (random weights) needs model.tokenizer")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type, e.g. qwen2")
+        return self
+
+
+class EngineConfig(StrictModel):
+    """The rollout engine: `hf` (transformers, CPU or GPU, kept in step with the learner by in-place
+    weight pushes)."""
+
+    kind: Literal["hf"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_batch: int = Field(64, ge=1, description="requests decoded together")
+
+
+class TrainerConfig(StrictModel):
+    steps: int | None = Field(None, ge=1, description="training steps; or give epochs")
+    epochs: int | None = Field(None, ge=1, description="passes over the training prompts; or give steps")
+    prompts_per_step: int = Field(8, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per PPO epoch (the step's groups split evenly)")
+    seed: int = Field(0, description="data order, sampling and initialisation of new heads")
+    run_dir: str = Field("runs/{name}", description="{name} is the run's name")
+    save_every: int = Field(0, ge=0, description="checkpoint every k steps (and always at the end)")
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_every: int = Field(0, ge=0, description="validate every k steps (and at the end); 0: never")
+    eval_holdout: int = Field(0, ge=0, description="without eval_task: the last k training prompts, held out")
+    eval_n: int = Field(1, ge=1, description="samples per validation prompt")
+    eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+    samples_per_step: int = Field(8, ge=0, description="trajectories dumped to samples/step_N.jsonl")
+    export: bool = Field(True, description="write the final policy as an HF checkpoint to export/")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainerConfig:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of trainer.steps or trainer.epochs")
+        return self
+
+
+class ServicesConfig(StrictModel):
+    """Where the tools' services are: a URL, or "auto" (the trainer starts one on a free loopback port,
+    restarts it if it dies, stops it at exit). Only the services the task's tools need are used."""
+
+    sandbox: str = "auto"
+    sandbox_args: list[str] = Field([], description="extra `agentrl sandbox serve` arguments for auto")
+    retriever: str = "auto"
+    retriever_index: str | None = Field(None, description="index dir the auto retriever serves")
+    startup_timeout_s: float = Field(300.0, gt=0)
+
+
+class LoggingConfig(StrictModel):
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    mlflow_experiment: str | None = None
+    progress: bool = Field(True, description="progress bars on the terminal")
+
+
+class RunConfig(StrictModel):
+    name: str
+    task: TaskSpec
+    eval_task: TaskSpec | None = None
+    model: ModelConfig
+    engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    learner: LearnerConfig = LearnerConfig()
+    critic: LearnerConfig | None = Field(None, description="advantage gae: the critic's settings; default: learner's")
+    trainer: TrainerConfig
+    services: ServicesConfig = ServicesConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _derive(self) -> RunConfig:
+        """Settings two stages read, set once. Each pair is (where it is set, where it is derived)."""
+        if self.rollout.temperature <= 0:
+            raise ValueError("rollout.temperature must be > 0 for training (greedy samples give no policy "
+                             "gradient; validation has its own trainer.eval_temperature)")
+        if self.rollout.top_p < 1.0 or self.rollout.top_k > 0:
+            raise ValueError(f"rollout.top_p={self.rollout.top_p} / rollout.top_k={self.rollout.top_k}: the "
+                             "learner's logprobs are over the whole vocabulary, the engine's over what top-p / "
+                             "top-k keep, so the importance ratios would be wrong; train with top_p 1 and top_k 0")
+        _agree(self.learner, "temperature", self.rollout.temperature, "learner.temperature", "rollout.temperature")
+        _agree(self.rollout, "seed", self.trainer.seed, "rollout.seed", "trainer.seed")
+        _agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
+        budget = self.task.budgets.max_response_tokens
+        overlong = self.algo.overlong
+        if overlong.buffer_tokens > 0 or overlong.max_tokens is not None:
+            _agree(overlong, "max_tokens", budget, "algo.overlong.max_tokens", "task.budgets.max_response_tokens")
+        if self.model.path is not None:
+            _agree(self.learner, "model", self.model.path, "learner.model", "model.path")
+        if self.trainer.steps is not None and self.learner.optim.schedule == "cosine":
+            _agree(self.learner.optim, "total_steps", self.trainer.steps, "learner.optim.total_steps", "trainer.steps")
+        if self.algo.needs_critic and self.critic is None:
+            self.critic = self.learner.model_copy(deep=True)
+        if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
+            raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.run_dir.replace("{name}", self.name))
+
+
+def _agree(model: StrictModel, field: str, value: Any, key: str, source: str) -> None:
+    """`model.field` takes `value` from `source`; set to something else as well, it is a contradiction."""
+    current = getattr(model, field)
+    if field in model.model_fields_set and current != value:
+        raise ValueError(f"{key} ({current!r}) contradicts {source} ({value!r}): set it once, in {source}")
+    object.__setattr__(model, field, value)  # no re-validation: the value was validated where it was set
+
+
+def load_run_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config at `path` with `--set` overrides. `task:` / `eval_task:` may name a task spec file
+    (relative to the working directory); its content is inlined before overrides apply."""
+    data = read_yaml(path)
+    for key in ("task", "eval_task"):
+        spec = data.get(key)
+        if isinstance(spec, str):
+            data[key] = read_yaml(spec)
+        elif isinstance(spec, dict) and "base" in spec:  # a task file with some keys changed
+            rest = {k: v for k, v in spec.items() if k != "base"}
+            data[key] = _merged(read_yaml(spec["base"]), rest)
+    return validate(RunConfig, apply_overrides(data, overrides, RunConfig), str(path))
+
+
+def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied key by key; mappings merge, anything else is replaced."""
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# --- the run directory -----------------------------------------------------------------------------------
+
+
+class RunDir:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.checkpoints = self.root / "checkpoints"
+        self.samples = self.root / "samples"
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.prompt_stats_path = self.root / "prompt_stats.jsonl"
+        self.export = self.root / "export"
+
+    def create(self) -> None:
+        for d in (self.root, self.checkpoints, self.samples):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- append-only logs: one whole line per write ----------------------------------------------------
+
+    @staticmethod
+    def _append(path: Path, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, data)  # one write: a killed run leaves whole lines only
+        finally:
+            os.close(fd)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._append(self.metrics_path, [{"step": step, **metrics}])
+
+    def log_prompt_stats(self, records: list[dict[str, Any]]) -> None:
+        self._append(self.prompt_stats_path, records)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.metrics_path)
+
+    def truncate_logs(self, last_step: int) -> None:
+        """Keep only the lines of steps <= `last_step` (a resumed run redoes the steps after it)."""
+        for path in (self.metrics_path, self.prompt_stats_path):
+            if path.exists():
+                kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= last_step]
+                atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The checkpoint `latest` names, if it is complete (it is written after its directory is)."""
+        marker = self.checkpoints / "latest"
+        if not marker.exists():
+            return None
+        path = self.checkpoints / marker.read_text().strip()
+        if not (path / "trainer.json").exists():
+            raise ConfigError(f"{marker}: names {path.name}, which is not a complete checkpoint")
+        return path
+
+    def begin_checkpoint(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint of `step` (`commit_checkpoint` makes it real)."""
+        tmp = self.checkpoints / f".step_{step}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, tmp: Path, step: int, trainer_state: dict[str, Any], keep: int) -> Path:
+        """Write the trainer's state, rename `tmp` into `step_N`, point `latest` at it, prune old ones."""
+        atomic_write_text(tmp / "trainer.json", json.dumps(trainer_state, indent=1) + "\n")
+        final = self.checkpoint_dir(step)
+        if final.exists():  # a step redone after a resume from an earlier checkpoint
+            shutil.rmtree(final)
+        tmp.rename(final)
+        atomic_write_text(self.checkpoints / "latest", final.name + "\n")
+        done = sorted((p for p in self.checkpoints.glob("step_*") if (p / "trainer.json").exists()),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[:-keep]:
+            shutil.rmtree(old)
+        for leftover in self.checkpoints.glob(".step_*.tmp"):  # from a run killed while saving
+            shutil.rmtree(leftover)
+        return final
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,153 @@
+"""The tools' services for a run: given URLs, or started by the trainer (`auto`).
+
+An auto service is `python -m sandbox serve` / `python -m retriever serve` on a free loopback port, its
+output in `<run_dir>/logs/<name>.log`. `start` waits until `/health` answers; a service that exits or
+does not answer in time fails the run at once, naming the service and its log. Between steps the trainer
+calls `revive`: a service that died is started again on the same port, so the tool clients' URLs stay
+valid. While it is down its tool calls fail, and those failures are observations the model sees (the
+clients never raise), so the run goes on. `stop` ends them at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from agentrl.config import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the service's process before exec: SIGKILL it when the trainer dies, even by SIGKILL (Linux)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ServiceProcess:
+    """One auto service: `module` (sandbox | retriever) served with `args` on a free loopback port."""
+
+    def __init__(self, module: str, args: list[str], log_dir: Path, startup_timeout_s: float) -> None:
+        self.module, self.args = module, args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{module}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", self.module, "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                   *self.args]
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {' '.join(command)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:  # readiness polling: the service answers /health once its workers are up
+            if self.proc.poll() is not None:
+                raise ConfigError(f"services: the {self.module} exited while starting (status "
+                                  f"{self.proc.returncode}); its log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ConfigError(f"services: the {self.module} did not answer {self.url}/health within "
+                                  f"{self.startup_timeout_s:g} s; its log: {self.log_path}")
+            time.sleep(0.2)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def revive(self) -> bool:
+        """Start the service again if it died; True if it had to."""
+        if self.alive:
+            return False
+        self.restarts += 1
+        self.start()
+        return True
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the service and anything it started
+            self.proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+class Services:
+    """The URLs of the services a task's tools need, starting the `auto` ones."""
+
+    def __init__(self, tools: list[str], config: object, log_dir: Path) -> None:
+        from agentrl.run import ServicesConfig
+
+        assert isinstance(config, ServicesConfig)
+        self.urls: dict[str, str] = {}
+        self.managed: dict[str, ServiceProcess] = {}
+        wanted = {"python": ("sandbox", config.sandbox), "search": ("retriever", config.retriever)}
+        for tool in tools:
+            module, where = wanted[tool]
+            if where != "auto":
+                self.urls[tool] = where
+                continue
+            if module == "sandbox":
+                args = list(config.sandbox_args)
+            else:
+                if not config.retriever_index:
+                    raise ConfigError("services.retriever is auto: set services.retriever_index (an index dir "
+                                      "built by `agentrl retriever build`) or give services.retriever a URL")
+                args = ["--index", config.retriever_index]
+            self.managed[tool] = ServiceProcess(module, args, log_dir, config.startup_timeout_s)
+            self.urls[tool] = self.managed[tool].url
+        self._started = False
+
+    def start(self) -> None:
+        try:
+            for service in self.managed.values():
+                service.start()
+        except BaseException:
+            self.stop()
+            raise
+        self._started = True
+
+    def revive(self) -> dict[str, float]:
+        """Restart any auto service that died; metrics `services/<name>_restarts` (cumulative)."""
+        for service in self.managed.values():
+            service.revive()
+        return {f"services/{s.module}_restarts": float(s.restarts) for s in self.managed.values()}
+
+    def stop(self) -> None:
+        for service in self.managed.values():
+            service.stop()
+
+    def __enter__(self) -> Services:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

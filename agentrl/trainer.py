@@ -1,0 +1,329 @@
+"""The training loop: `agentrl train CONFIG`.
+
+    prompts (a seeded permutation per epoch; the position is checkpointed)
+      -> rollout (the engine generates, tools answer over HTTP) -> rewards on the model's own text
+      -> scored groups (DAPO dynamic sampling: more rounds until enough groups carry a signal)
+      -> batch.py: shaping and filters, packing, old/ref logprobs, values, advantages
+      -> learner: PPO epochs x mini-batches (policy, and the critic for GAE)
+      -> weight_sync: the new weights into the engine
+      -> metrics.jsonl + TensorBoard, trajectory samples, prompt_stats, checkpoint, validation
+
+Rollout produces scored groups and training consumes them (`_produce` and `_consume`); here they take
+turns, one step each. A run resumes from its run directory's latest checkpoint with the same data order
+and the same sampling seeds, so it continues as an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.algo.sampling import DynamicSampler
+from agentrl.batch import build_batch
+from agentrl.config import write_resolved
+from agentrl.engine.hf import HFEngine
+from agentrl.evaluate import evaluate
+from agentrl.learner.critic import CriticWorker
+from agentrl.learner.policy import PolicyWorker
+from agentrl.learner.reference import ReferenceWorker
+from agentrl.rewards import build_reward, score
+from agentrl.rollout import dump_trajectories, rollout, rollout_metrics
+from agentrl.run import RunConfig, RunDir
+from agentrl.services import Services
+from agentrl.task import Task, load_tokenizer
+from agentrl.tools.code import CodeTool
+from agentrl.tools.formats import build_format
+from agentrl.tools.search import SearchTool
+from agentrl.types import Group, Prompt
+from agentrl.weight_sync import push_weights
+
+
+class PromptSampler:
+    """Prompts in a seeded permutation per epoch; `state` (epoch, index, seed) resumes the same order."""
+
+    def __init__(self, prompts: list[Prompt], seed: int, epoch: int = 0, index: int = 0) -> None:
+        self.prompts, self.seed, self.epoch, self.index = prompts, seed, epoch, index
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[tuple[int, Prompt]]:
+        """The next `k` prompts, each with its epoch, across epoch boundaries."""
+        out = []
+        order = self._order(self.epoch)
+        while len(out) < k:
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+                order = self._order(self.epoch)
+            out.append((self.epoch, self.prompts[order[self.index]]))
+            self.index += 1
+        return out
+
+    @property
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+
+def build_lm(config: RunConfig) -> torch.nn.Module:
+    """The policy's starting weights in float32: the checkpoint, or a seeded random init of the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = config.model
+    if m.path is not None:
+        return AutoModelForCausalLM.from_pretrained(m.path, dtype=torch.float32)
+    kwargs = dict(m.config or {})
+    hf_config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(m.init_seed)
+    return AutoModelForCausalLM.from_config(hf_config).float()
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, *, engine: Any = None,
+                 on_step_start: Callable[[int], None] | None = None) -> None:
+        self.config = config
+        self.run_dir = RunDir(config.run_dir)
+        self.on_step_start = on_step_start
+        spec = config.task
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path or "", option="model.tokenizer")
+        prompts = list(Task(spec, source="task").prompts(self.tokenizer))
+        holdout = config.trainer.eval_holdout if config.eval_task is None else 0
+        if holdout >= len(prompts):
+            raise ValueError(f"trainer.eval_holdout ({holdout}) leaves no training prompts of {len(prompts)}")
+        self.eval_prompts = (prompts[len(prompts) - holdout:] if holdout else
+                             list(Task(config.eval_task, source="eval_task").prompts(self.tokenizer))
+                             if config.eval_task is not None else [])
+        self.train_prompts = prompts[: len(prompts) - holdout]
+        if not self.train_prompts:
+            raise ValueError("task: the dataset gives no training prompts (after budgets.max_prompt_tokens)")
+        t = config.trainer
+        self.total_steps = t.steps or math.ceil(t.epochs * len(self.train_prompts) / t.prompts_per_step)
+        self.sampler = PromptSampler(self.train_prompts, t.seed)
+
+        lm = build_lm(config)
+        engine_lm = copy.deepcopy(lm)  # before the learner shards and wraps its own copy
+        algo = config.algo
+        self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
+        self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
+                       if algo.needs_critic and config.critic else None)
+        self.policy = PolicyWorker(config.learner, algo, model=lm)
+        device = config.engine.device
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.engine = engine or HFEngine(engine_lm.to(device), self.tokenizer, max_batch=config.engine.max_batch,
+                                         seed=t.seed)
+        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
+                                observation_max_chars=spec.budgets.observation_max_chars)
+        self.reward = build_reward(spec.reward.name, spec.reward.params)
+        self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
+        self.step = 0
+
+    # -- the run ------------------------------------------------------------------------------------
+
+    async def run(self) -> RunDir:
+        self.run_dir.create()
+        self._resume()
+        write_resolved(self.config, self.run_dir.root)
+        await push_weights(self.policy, [self.engine])  # the engine starts from the learner's weights
+        with self.services, self._logger() as log:
+            self.tools = self._tools()
+            try:
+                while self.step < self.total_steps:
+                    self.step += 1
+                    metrics = await self._step()
+                    log(self.step, metrics)
+            finally:
+                for tool in self.tools.values():
+                    await tool.aclose()
+        if self.config.trainer.export:
+            self.policy.export_hf(str(self.run_dir.export), tokenizer=self.tokenizer)
+        return self.run_dir
+
+    async def _step(self) -> dict[str, float]:
+        t = self.config.trainer
+        start = time.perf_counter()
+        metrics = self.services.revive()
+        if self.on_step_start is not None:
+            self.on_step_start(self.step)
+        groups, produced = await self._produce()
+        metrics |= produced
+        metrics |= self._consume(groups)
+        sync = await push_weights(self.policy, [self.engine])
+        metrics |= sync
+        trajectories = [tr for g in groups for tr in g.trajectories]
+        if t.samples_per_step:
+            dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl", trajectories[: t.samples_per_step],
+                              self.tokenizer)
+        if self.step == self.total_steps or (t.save_every and self.step % t.save_every == 0):
+            metrics["timing/checkpoint"] = self._save()
+        if self.eval_prompts and (self.step == self.total_steps or self.step % t.eval_every == 0):
+            metrics |= await self._validate()
+        metrics["timing/step"] = time.perf_counter() - start
+        return metrics
+
+    async def _produce(self) -> tuple[list[Group], dict[str, float]]:
+        """Scored groups for one step: `prompts_per_step` of them (with dynamic sampling: informative ones,
+        over at most `max_rounds` rounds of generation)."""
+        t, algo = self.config.trainer, self.config.algo
+        start = time.perf_counter()
+        sampler = DynamicSampler(t.prompts_per_step, algo.dynamic_sampling.max_rounds)
+        every: list[Group] = []
+        while True:
+            drawn = self.sampler.take(sampler.needed if algo.dynamic_sampling.enabled else t.prompts_per_step)
+            # sampling seeds by step and round: a resumed step draws what the uninterrupted one drew
+            seed = self.config.trainer.seed * 1_000_003 + self.step * 101 + sampler.rounds
+            rollout_config = self.config.rollout.model_copy(update={"seed": seed})
+            groups = await rollout([p for _, p in drawn], engine=self.engine, fmt=self.fmt, tools=self.tools,
+                                   budgets=self.config.task.budgets, tokenizer=self.tokenizer, config=rollout_config)
+            score([tr for g in groups for tr in g.trajectories], self.reward, self.tokenizer)
+            self._log_prompt_stats(drawn, groups)
+            every += groups
+            if not algo.dynamic_sampling.enabled:
+                kept = groups
+                break
+            sampler.add(groups)
+            if sampler.full or sampler.exhausted:
+                kept = sampler.take()
+                break
+        metrics = rollout_metrics([tr for g in every for tr in g.trajectories])
+        metrics["timing/rollout"] = time.perf_counter() - start
+        if algo.dynamic_sampling.enabled:
+            metrics |= sampler.stats()
+            metrics["rollout/groups_kept"] = float(len(kept))
+        return kept or every, metrics
+
+    def _consume(self, groups: list[Group]) -> dict[str, float]:
+        """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""
+        t, cfg = self.config.trainer, self.config
+        start = time.perf_counter()
+        step_batch = build_batch(groups, algo=cfg.algo, token_budget=cfg.learner.token_budget,
+                                 mini_batches=t.mini_batches, policy=self.policy, reference=self.reference,
+                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns)
+        metrics = dict(step_batch.metrics)
+        metrics["timing/logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for batch in step_batch.mini_batches:
+                out = self.policy.train_step(batch)
+                if self.critic is not None:
+                    out |= self.critic.train_step(batch)
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                steps += 1
+        metrics |= {k: v / steps for k, v in sums.items()}
+        metrics["timing/train"] = time.perf_counter() - start
+        return metrics
+
+    async def _validate(self) -> dict[str, float]:
+        t = self.config.trainer
+        start = time.perf_counter()
+        spec = self.config.eval_task or self.config.task
+        result = await evaluate(self.eval_prompts, engine=self.engine, fmt=self.fmt, tools=self.tools,
+                                budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
+                                temperature=t.eval_temperature, seed=t.seed)
+        return result.metrics | {"timing/validation": time.perf_counter() - start}
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def _save(self) -> float:
+        start = time.perf_counter()
+        tmp = self.run_dir.begin_checkpoint(self.step)
+        data = {"step": self.step, "data": self.sampler.state}
+        self.policy.save(str(tmp / "actor"), extra=data)
+        if self.critic is not None:
+            self.critic.save(str(tmp / "critic"))
+        self.run_dir.commit_checkpoint(tmp, self.step, data, self.config.trainer.keep_checkpoints)
+        return time.perf_counter() - start
+
+    def _resume(self) -> None:
+        """Continue from the run dir's latest checkpoint, if it has one."""
+        path = self.run_dir.latest_checkpoint()
+        if path is None:
+            return
+        state = json.loads((path / "trainer.json").read_text())
+        self.policy.load(str(path / "actor"))
+        if self.critic is not None:
+            self.critic.load(str(path / "critic"))
+        self.step = int(state["step"])
+        data = state["data"]
+        self.sampler = PromptSampler(self.train_prompts, int(data["seed"]), int(data["epoch"]), int(data["index"]))
+        self.run_dir.truncate_logs(self.step)
+
+    def _log_prompt_stats(self, drawn: list[tuple[int, Prompt]], groups: list[Group]) -> None:
+        records = []
+        for (epoch, prompt), group in zip(drawn, groups, strict=True):
+            parts = [tr.reward.parts.get("correct", 0.0) for tr in group.trajectories if tr.reward]
+            records.append({"step": self.step, "epoch": epoch, "prompt_id": prompt.id, "n": len(parts),
+                            "correct": sum(parts) / max(len(parts), 1),
+                            "mean_reward": sum(tr.reward.score for tr in group.trajectories if tr.reward)
+                            / max(len(group.trajectories), 1)})
+        self.run_dir.log_prompt_stats(records)
+
+    def _tools(self) -> dict[str, Any]:
+        urls = self.services.urls
+        tools: dict[str, Any] = {}
+        if "python" in urls:
+            tools["python"] = CodeTool(urls["python"])
+        if "search" in urls:
+            tools["search"] = SearchTool(urls["search"])
+        return tools
+
+    def _logger(self) -> MetricsLog:
+        return MetricsLog(self.run_dir, self.config.logging.tensorboard, self.step, self.total_steps,
+                          self.config.logging.progress)
+
+
+class MetricsLog:
+    """metrics.jsonl (one line per step), TensorBoard scalars, and a progress bar with an ETA."""
+
+    def __init__(self, run_dir: RunDir, tensorboard: bool, start_step: int, total: int, progress: bool) -> None:
+        self.run_dir, self.tensorboard, self.start, self.total, self.progress = (run_dir, tensorboard, start_step,
+                                                                                 total, progress)
+
+    def __enter__(self) -> MetricsLog:
+        self.writer = None
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # events of steps a resumed run redoes are purged, as metrics.jsonl's lines are
+            self.writer = SummaryWriter(str(self.run_dir.root / "tensorboard"), purge_step=self.start + 1)
+        self.bar = None
+        if self.progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("steps", total=self.total, completed=self.start)
+        return self
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self.run_dir.log_metrics(step, metrics)
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.bar is not None:
+            reward = metrics.get("reward/mean", float("nan"))
+            self.bar.update(self.task, completed=step, description=f"steps (reward {reward:+.3f})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def train(config: RunConfig, **kwargs: Any) -> RunDir:
+    return asyncio.run(Trainer(config, **kwargs).run())

@@ -1,0 +1,23 @@
+"""Learner -> engine: the policy's new weights into the rollout engines, the only module that knows both.
+
+After each training step the trainer pushes the policy's full weights (HF names, the learner's compute
+dtype, one tensor gathered at a time from the sharded module) into every engine, bucket by bucket
+(`engine.load_buckets`: an engine that takes serialized buckets gets each bucket encoded once; the others
+get the tensors through `update_weights`). The engines then sample from exactly the weights the learner
+holds, which the next step's importance ratios assume. The push is timed (`timing/weight_sync`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from agentrl.engine import load_buckets
+
+
+async def push_weights(policy: Any, engines: Sequence[Any]) -> dict[str, float]:
+    """Send `policy`'s weights to `engines` (collective on the learner's ranks); returns the timing."""
+    start = time.perf_counter()
+    await load_buckets(engines, policy.state_for_sync())
+    return {"timing/weight_sync": time.perf_counter() - start}
