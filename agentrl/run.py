@@ -72,7 +72,7 @@ class TrainerConfig(StrictModel):
     save_every: int = Field(0, ge=0, description="checkpoint every k steps (and always at the end)")
     keep_checkpoints: int = Field(2, ge=1)
     eval_every: int = Field(0, ge=0, description="validate every k steps (and at the end); 0: never")
-    eval_holdout: int = Field(0, ge=0, description="without eval_task: the last k training prompts, held out")
+    eval_holdout: int = Field(0, ge=0, description="validating without eval_task: the last k prompts, held out")
     eval_n: int = Field(1, ge=1, description="samples per validation prompt")
     eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy")
     samples_per_step: int = Field(8, ge=0, description="trajectories dumped to samples/step_N.jsonl")
@@ -97,10 +97,8 @@ class ServicesConfig(StrictModel):
 
 
 class LoggingConfig(StrictModel):
-    tensorboard: bool = True
-    wandb_project: str | None = None
-    mlflow_experiment: str | None = None
-    progress: bool = Field(True, description="progress bars on the terminal")
+    tensorboard: bool = Field(True, description="TensorBoard events in <run_dir>/tensorboard")
+    progress: bool = Field(True, description="a progress bar with an ETA on the terminal")
 
 
 class RunConfig(StrictModel):

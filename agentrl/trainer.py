@@ -97,7 +97,7 @@ class Trainer:
         spec = config.task
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.path or "", option="model.tokenizer")
         prompts = list(Task(spec, source="task").prompts(self.tokenizer))
-        holdout = config.trainer.eval_holdout if config.eval_task is None else 0
+        holdout = config.trainer.eval_holdout if config.eval_task is None and config.trainer.eval_every else 0
         if holdout >= len(prompts):
             raise ValueError(f"trainer.eval_holdout ({holdout}) leaves no training prompts of {len(prompts)}")
         self.eval_prompts = (prompts[len(prompts) - holdout:] if holdout else
@@ -165,7 +165,7 @@ class Trainer:
                               self.tokenizer)
         if self.step == self.total_steps or (t.save_every and self.step % t.save_every == 0):
             metrics["timing/checkpoint"] = self._save()
-        if self.eval_prompts and (self.step == self.total_steps or self.step % t.eval_every == 0):
+        if self.eval_prompts and t.eval_every and (self.step == self.total_steps or self.step % t.eval_every == 0):
             metrics |= await self._validate()
         metrics["timing/step"] = time.perf_counter() - start
         return metrics

@@ -1,0 +1,238 @@
+"""`agentrl train` end to end on a CPU: configs/debug_cpu.yaml with a tiny random model, the real sandbox
+over loopback HTTP (started by the trainer), real learner steps; resume, kill -9, a dying sandbox, the
+weight push, a reward the model cannot hack through its tool, and a run that learns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.config import StrictModel
+from agentrl.engine import Completion, Sampling
+from agentrl.learner.packing import pack
+from agentrl.rewards import REWARDS
+from agentrl.run import load_run_config
+from agentrl.trainer import Trainer, train
+from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
+from tests.conftest import REPO
+
+DEBUG = REPO / "configs" / "debug_cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's relative paths (tasks/, configs/) are taken from here
+
+
+def config(tmp_path: Path, *sets: str, name: str = "run"):
+    return load_run_config(DEBUG, [f"trainer.run_dir={tmp_path / name}", "logging.progress=false", *sets])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_debug_config_runs_two_steps_end_to_end(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(config(tmp_path, "algo.advantage=gae"))
+    run = asyncio.run(trainer.run()).root
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    names = {k.split("/")[0] for m in metrics for k in m if "/" in k}
+    assert {"reward", "rollout", "tool", "actor", "critic", "val", "perf", "timing"} <= names
+    assert {"timing/rollout", "timing/logprobs", "timing/train", "timing/weight_sync", "timing/checkpoint",
+            "timing/step"} <= set(metrics[0])
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert (run / "checkpoints" / "step_2" / "actor" / "learner.pt").exists()
+    assert (run / "checkpoints" / "step_2" / "critic" / "learner.pt").exists()
+    samples = read_jsonl(run / "samples" / "step_1.jsonl")
+    assert samples and all(s["segments"][0]["source"] == "model" and "stop_reason" in s for s in samples)
+    stats = read_jsonl(run / "prompt_stats.jsonl")
+    assert len(stats) == 2 * 4 and {"epoch", "prompt_id", "correct", "n"} <= set(stats[0])
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    config_text = (run / "config.yaml").read_text()
+    assert "tasks/data/arithmetic.jsonl" in config_text and "temperature: 1.0" in config_text
+
+    exported = AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, trainer.engine.model(input_ids=ids).logits, atol=2e-2)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run / "export").eos_token == "<|im_end|>"
+
+
+def _step_records(run: Path, step: int) -> tuple[list[str], dict]:
+    stats = [r["prompt_id"] for r in read_jsonl(run / "prompt_stats.jsonl") if r["step"] == step]
+    metrics = next(m for m in read_jsonl(run / "metrics.jsonl") if m["step"] == step)
+    return stats, metrics
+
+
+def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
+    """Stopped after step 2 and resumed: step 3 takes the same prompts and reaches the same loss. An
+    entropy bonus keeps the loss non-zero while every reward is still equal."""
+    sets = ("algo.entropy_coef=0.01", "trainer.eval_every=0", "trainer.export=false")
+    whole = train(config(tmp_path, "trainer.steps=3", *sets, name="whole")).root
+    part = config(tmp_path, "trainer.steps=2", *sets, name="part")
+    train(part)
+    resumed = train(config(tmp_path, "trainer.steps=3", *sets, name="part")).root
+    prompts, metrics = _step_records(whole, 3)
+    prompts_resumed, metrics_resumed = _step_records(resumed, 3)
+    assert prompts == prompts_resumed
+    assert metrics_resumed["actor/loss"] == pytest.approx(metrics["actor/loss"], rel=1e-5, abs=1e-7)
+    assert metrics_resumed["actor/loss"] != 0.0
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_kill_9_mid_run_then_resume_completes_with_nothing_half_written(tmp_path):
+    run = tmp_path / "killed"
+    command = [sys.executable, "-m", "agentrl.cli", "train", str(DEBUG), "--set", f"trainer.run_dir={run}",
+               "--set", "trainer.steps=4", "--set", "logging.progress=false", "--set", "trainer.eval_every=0"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    latest = run / "checkpoints" / "latest"
+    while not (latest.exists() and latest.read_text().strip() == "step_2"):  # a checkpoint, then mid-step 3
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 2 within 300 s"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = subprocess.run(command + ["--resume", str(run)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert sorted(r["step"] for r in read_jsonl(run / "prompt_stats.jsonl")) == sorted([1, 2, 3, 4] * 4)
+    leftovers = [p for p in run.rglob("*") if p.name.endswith((".tmp", ".old")) or ".tmp" in p.name
+                 or (p.name.startswith(".") and p.name != ".metadata")]  # .metadata: torch's checkpoint index
+    assert not leftovers
+    for path in run.rglob("*.jsonl"):
+        read_jsonl(path)  # every line whole
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_4"
+
+
+def test_the_engine_samples_from_the_learners_weights_after_a_push(tmp_path):
+    trainer = Trainer(config(tmp_path, "trainer.steps=2", "trainer.eval_every=0", "trainer.export=false",
+                             "algo.entropy_coef=0.05"))
+    asyncio.run(trainer.run())
+    prompt = Prompt("p", "", (5, 17, 99, 3), "", "")
+    trajectory = Trajectory(prompt, [Segment("model", [250, 41, 7, 300], [0.0] * 4)], StopReason.EOS)
+    [batch] = pack([trajectory], 64)
+    learner_R = trainer.policy.compute_logprobs(batch)[0]
+    with torch.no_grad():
+        logits = trainer.engine.model(input_ids=torch.tensor([[5, 17, 99, 3, 250, 41, 7, 300]])).logits[0]
+    engine_R = torch.log_softmax(logits.float(), -1)[3:7].gather(1, torch.tensor([[250], [41], [7], [300]]))[:, 0]
+    assert torch.allclose(learner_R, engine_R, atol=1e-5)
+    assert trainer.policy.steps == 2  # the weights did move: the comparison is after real updates
+
+
+class ScriptedEngine:
+    """A test double for the model: turn k of every trajectory writes `turns[k]` (then EOS), with logprob
+    -1 per token. Everything around it is real: the sandbox, the format, the reward, the learner."""
+
+    max_context_tokens = None
+
+    def __init__(self, tokenizer, turns: list[str]) -> None:
+        self.tokenizer, self.turns = tokenizer, turns
+
+    async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
+        turn = self.tokenizer.decode(prompt_ids).count("```output")  # one per tool call so far
+        ids = self.tokenizer.encode(self.turns[min(turn, len(self.turns) - 1)], add_special_tokens=False)
+        stop = next((s for s in sampling.stop if self.tokenizer.decode(ids).endswith(s)), None)
+        if stop is None:
+            ids = ids + [self.tokenizer.eos_token_id]
+        ids = ids[: sampling.max_tokens]
+        return Completion(ids, [-1.0] * len(ids), "stop", stop)
+
+    async def update_weights(self, named_tensors) -> None:
+        for _ in named_tensors:
+            pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _scripted(tmp_path, turns: list[str], *sets: str, name: str = "run"):
+    run_config = config(tmp_path, "task.budgets.max_response_tokens=200", "trainer.eval_every=0",
+                        "trainer.export=false", *sets, name=name)
+    from agentrl.task import load_tokenizer
+
+    return Trainer(run_config, engine=ScriptedEngine(load_tokenizer("configs/tiny_tokenizer"), turns))
+
+
+CODE_TURN = "```python\nprint('\\\\boxed{' + str(6 * 7) + '}')\n```\n```output"
+
+
+@pytest.mark.parametrize(("answer", "correct"), [("So it is.", 0.0), ("So it is \\boxed{42}.", 1.0)])
+def test_a_boxed_answer_printed_by_the_tool_earns_nothing(tmp_path, answer, correct):
+    """The program prints `\\boxed{42}` (the sandbox really runs it); only the model's own boxed answer
+    counts."""
+    trainer = _scripted(tmp_path, [CODE_TURN, answer], "trainer.steps=1", "task.dataset.path=" + str(
+        _write_rows(tmp_path, [{"id": "q", "problem": "What is 6 * 7?", "answer": "42"}])),
+                        "trainer.prompts_per_step=1")
+    run = asyncio.run(trainer.run()).root
+    [sample, *_] = read_jsonl(run / "samples" / "step_1.jsonl")
+    assert [s["source"] for s in sample["segments"]] == ["model", "tool", "model"]
+    assert "\\boxed{42}" in sample["segments"][1]["text"]  # the observation did carry it
+    [metrics] = read_jsonl(run / "metrics.jsonl")
+    assert metrics["reward/correct"] == correct
+    assert metrics["tool/calls_per_trajectory"] == 1.0 and metrics["tool/error_rate"] == 0.0
+
+
+def _write_rows(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_sandbox_killed_mid_run_gives_error_observations_and_is_restarted(tmp_path):
+    def kill_at_step_2(step: int) -> None:
+        if step == 2:
+            service = trainer.services.managed["python"]
+            os.killpg(service.proc.pid, signal.SIGKILL)
+            service.proc.wait()
+
+    trainer = _scripted(tmp_path, [CODE_TURN, "\\boxed{42}"], "trainer.steps=3")
+    trainer.on_step_start = kill_at_step_2
+    run = asyncio.run(trainer.run()).root
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["tool/error_rate"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert [m["services/sandbox_restarts"] for m in metrics] == [0.0, 0.0, 1.0]
+    assert all(m["tool/calls_per_trajectory"] == 1.0 for m in metrics)
+
+
+class DigitShare:
+    """A reward a tiny random model can learn in a few dozen CPU steps: the share of digits in what it
+    wrote."""
+
+    class Params(StrictModel):
+        pass
+
+    def __init__(self, params=None) -> None:
+        pass
+
+    def __call__(self, response, ground_truth, *, tool_calls=0, tool_errors=0) -> RewardResult:
+        digits = sum(c.isdigit() for c in response)
+        return RewardResult(digits / max(len(response), 1), {"correct": float(digits > 0)})
+
+
+def test_reward_rises_over_training(tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "digit_share", DigitShare)
+    sets = ["task.reward.name=digit_share", "task.reward.params={}", "task.tools.format=null", "task.tools.names=[]",
+            "task.budgets.max_tool_calls=0", "task.budgets.max_turns=1", "task.budgets.max_response_tokens=8",
+            "task.budgets.observation_max_chars=null", "trainer.steps=30", "trainer.save_every=0",
+            "trainer.eval_every=0", "trainer.export=false", "trainer.samples_per_step=0", "rollout.n=8",
+            "learner.optim.lr=0.01", "trainer.prompts_per_step=4"]
+    run = train(config(tmp_path, *sets)).root
+    rewards = [m["reward/mean"] for m in read_jsonl(run / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.5, rewards
