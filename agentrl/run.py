@@ -132,6 +132,9 @@ class RunConfig(StrictModel):
         overlong = self.algo.overlong
         if overlong.buffer_tokens > 0 or overlong.max_tokens is not None:
             _agree(overlong, "max_tokens", budget, "algo.overlong.max_tokens", "task.budgets.max_response_tokens")
+            if overlong.buffer_tokens > budget:
+                raise ValueError(f"algo.overlong.buffer_tokens ({overlong.buffer_tokens}) exceeds the response "
+                                 f"budget, task.budgets.max_response_tokens ({budget})")
         if self.model.path is not None:
             _agree(self.learner, "model", self.model.path, "learner.model", "model.path")
         if self.trainer.steps is not None and self.learner.optim.schedule == "cosine":

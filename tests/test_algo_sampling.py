@@ -71,8 +71,8 @@ def test_algo_config_validation() -> None:
     assert cfg.needs_critic and cfg.needs_reference
     with pytest.raises(ValidationError, match="kl.use=reward"):
         AlgoConfig(advantage="grpo", kl={"coef": 0.05, "use": "reward"})
-    with pytest.raises(ValidationError, match="max_tokens"):
-        AlgoConfig(overlong={"buffer_tokens": 10})
+    with pytest.raises(ValidationError, match="must not exceed overlong.max_tokens"):
+        AlgoConfig(overlong={"buffer_tokens": 10, "max_tokens": 5})
     with pytest.raises(ValidationError):
         AlgoConfig(clip_hihg=0.3)  # unknown keys are errors
     with pytest.raises(ValidationError):

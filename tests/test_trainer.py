@@ -236,3 +236,47 @@ def test_reward_rises_over_training(tmp_path, monkeypatch):
     rewards = [m["reward/mean"] for m in read_jsonl(run / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.5, rewards
+
+
+QUICK = ("trainer.steps=1", "trainer.eval_every=0", "trainer.export=false", "trainer.save_every=0",
+         "trainer.samples_per_step=0")
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (("algo.advantage=drgrpo", "algo.loss_agg=seq_mean_token_sum_norm"), "actor/pg_loss"),
+    (("algo.advantage=rloo",), "actor/pg_loss"),
+    (("algo.advantage=reinforce_pp", "algo.kl.coef=0.01", "algo.kl.use=reward"), "actor/ref_kl"),
+    (("algo.kl.coef=0.01", "algo.kl.use=loss"), "actor/kl_loss"),
+    (("algo.tis_cap=2.0",), "actor/tis_weight"),
+    (("algo.overlong.buffer_tokens=8",), "reward/shaped_mean"),
+])
+def test_each_algorithm_option_trains_a_step(tmp_path, sets, expected):
+    run = train(config(tmp_path, *QUICK, *sets)).root
+    [metrics] = read_jsonl(run / "metrics.jsonl")
+    assert expected in metrics and metrics["actor/step_skipped"] == 0.0
+
+
+def test_filters_drop_what_they_name_from_the_loss(tmp_path):
+    """A random model never answers: every trajectory that ends on its own has a void turn, every other one
+    hit the response budget; the two filters together leave no loss token, and the step is skipped."""
+    run = train(config(tmp_path, *QUICK, "algo.overlong.filter_truncated=true", "algo.drop_void_turns=true")).root
+    [m] = read_jsonl(run / "metrics.jsonl")
+    trajectories = m["batch/trajectories"]
+    truncated = round(m["rollout/stop/response_budget"] * trajectories)
+    assert m["batch/truncated_dropped"] == truncated
+    assert m["batch/void_dropped"] == round(m["rollout/stop/eos"] * trajectories)
+    assert m["batch/loss_tokens"] == 0.0 and m["actor/step_skipped"] == 1.0
+
+
+def test_dynamic_sampling_samples_again_until_groups_carry_a_signal(tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "digit_share", DigitShare)
+    signal_sets = ("task.reward.name=digit_share", "task.reward.params={}")
+    run = train(config(tmp_path, *QUICK, "algo.dynamic_sampling.enabled=true", *signal_sets, name="signal")).root
+    [m] = read_jsonl(run / "metrics.jsonl")
+    assert m["rollout/dynamic_sampling_rounds"] == 1.0 and m["rollout/groups_kept"] == 4.0
+    # the math reward gives every sample of a random model -1: no group is informative, every round runs
+    run = train(config(tmp_path, *QUICK, "algo.dynamic_sampling.enabled=true",
+                       "algo.dynamic_sampling.max_rounds=3", name="flat")).root
+    [m] = read_jsonl(run / "metrics.jsonl")
+    assert m["rollout/dynamic_sampling_rounds"] == 3.0 and m["rollout/groups_kept"] == 0.0
+    assert len(read_jsonl(run / "prompt_stats.jsonl")) == 3 * 4  # every round's prompts are recorded

@@ -38,15 +38,14 @@ class OverlongConfig(StrictModel):
     """DAPO overlong reward shaping (soft punishment inside the last `buffer_tokens` of the budget) and
     overlong filtering (truncated trajectories contribute no loss)."""
 
-    max_tokens: int | None = Field(None, ge=1, description="response budget L_max the penalty is measured against")
+    max_tokens: int | None = Field(None, ge=1, description="response budget L_max the penalty is measured against; "
+                                   "a run config derives it from the task's budgets.max_response_tokens")
     buffer_tokens: int = Field(0, ge=0, description="L_cache; 0 turns the soft punishment off")
     penalty: float = Field(1.0, ge=0.0, description="the penalty at (and past) L_max")
     filter_truncated: bool = False
 
     @model_validator(mode="after")
     def _needs_budget(self) -> OverlongConfig:
-        if self.buffer_tokens > 0 and self.max_tokens is None:
-            raise ValueError("overlong.buffer_tokens > 0 needs overlong.max_tokens (the response budget)")
         if self.max_tokens is not None and self.buffer_tokens > self.max_tokens:
             raise ValueError("overlong.buffer_tokens must not exceed overlong.max_tokens")
         return self
