@@ -53,12 +53,18 @@ class ModelConfig(StrictModel):
 
 
 class EngineConfig(StrictModel):
-    """The rollout engine: `hf` (transformers, CPU or GPU, kept in step with the learner by in-place
-    weight pushes)."""
+    """The rollout engine: `hf` (transformers, CPU or GPU) or `vllm` (one GPU, shared with the learner:
+    asleep while the learner trains). Either is kept in step with the learner by in-place weight pushes."""
 
-    kind: Literal["hf"] = "hf"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_batch: int = Field(64, ge=1, description="requests decoded together")
+    kind: Literal["hf", "vllm"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the engine runs")
+    max_batch: int = Field(64, ge=1, description="hf: requests decoded together")
+    gpu_memory_utilization: float = Field(0.4, gt=0, lt=1, description="vllm: its share of the GPU's memory")
+    max_model_len: int | None = Field(None, ge=1, description="vllm: context length (default: the model's)")
+    enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (starts faster, runs slower)")
+    sleep_level: Literal[0, 1, 2] = Field(
+        1, description="vllm: while the learner trains, 1 frees the KV cache and moves weights to the host, "
+        "2 also drops the weights (the push restores them), 0 stays awake")
 
 
 class TrainerConfig(StrictModel):

@@ -22,7 +22,6 @@ import math
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from agentrl.algo.sampling import DynamicSampler
 from agentrl.batch import build_batch
 from agentrl.config import write_resolved
+from agentrl.engine import maybe_await
 from agentrl.engine.hf import HFEngine
 from agentrl.evaluate import evaluate
 from agentrl.learner.critic import CriticWorker
@@ -111,21 +111,55 @@ class Trainer:
         self.sampler = PromptSampler(self.train_prompts, t.seed)
 
         lm = build_lm(config)
-        engine_lm = copy.deepcopy(lm)  # before the learner shards and wraps its own copy
+        # vLLM sizes its memory from what is free when it starts: before the learner takes its share
+        self.engine = engine or (self._vllm_engine(lm) if config.engine.kind == "vllm" else None)
+        engine_lm = copy.deepcopy(lm) if self.engine is None else None  # before the learner wraps its own copy
         algo = config.algo
         self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
         self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
                        if algo.needs_critic and config.critic else None)
         self.policy = PolicyWorker(config.learner, algo, model=lm)
-        device = config.engine.device
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        self.engine = engine or HFEngine(engine_lm.to(device), self.tokenizer, max_batch=config.engine.max_batch,
-                                         seed=t.seed)
+        if self.engine is None:
+            device = config.engine.device
+            device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+            self.engine = HFEngine(engine_lm.to(device), self.tokenizer, max_batch=config.engine.max_batch,
+                                   seed=t.seed)
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
                                 observation_max_chars=spec.budgets.observation_max_chars)
         self.reward = build_reward(spec.reward.name, spec.reward.params)
         self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
         self.step = 0
+
+    def _vllm_engine(self, lm: torch.nn.Module) -> Any:
+        """A vLLM engine on this GPU, started from the policy's checkpoint (a random init is written to
+        <run_dir>/init first: vLLM loads weights from files)."""
+        from agentrl.engine.vllm import VLLMEngine
+
+        cfg = self.config
+        path = cfg.model.path
+        if path is None:
+            path = str(self.run_dir.root / "init")
+            lm.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        e = cfg.engine
+        return VLLMEngine(path, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+                          enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager, seed=cfg.trainer.seed)
+
+    async def _sleep(self) -> dict[str, float]:
+        """Free the engine's GPU memory for the learner (vLLM, colocated)."""
+        level = self.config.engine.sleep_level
+        if self.config.engine.kind != "vllm" or not level:
+            return {}
+        start = time.perf_counter()
+        await self.engine.sleep(level)
+        return {"timing/sleep": time.perf_counter() - start}
+
+    async def _wake(self) -> dict[str, float]:
+        if self.config.engine.kind != "vllm" or not self.config.engine.sleep_level:
+            return {}
+        start = time.perf_counter()
+        await self.engine.wake()
+        return {"timing/wake": time.perf_counter() - start}
 
     # -- the run ------------------------------------------------------------------------------------
 
@@ -148,6 +182,9 @@ class Trainer:
             self.policy.export_hf(str(self.run_dir.export), tokenizer=self.tokenizer)
         return self.run_dir
 
+    async def aclose(self) -> None:
+        await maybe_await(self.engine.aclose())
+
     async def _step(self) -> dict[str, float]:
         t = self.config.trainer
         start = time.perf_counter()
@@ -156,9 +193,10 @@ class Trainer:
             self.on_step_start(self.step)
         groups, produced = await self._produce()
         metrics |= produced
+        metrics |= await self._sleep()
         metrics |= self._consume(groups)
-        sync = await push_weights(self.policy, [self.engine])
-        metrics |= sync
+        metrics |= await self._wake()
+        metrics |= await push_weights(self.policy, [self.engine])
         trajectories = [tr for g in groups for tr in g.trajectories]
         if t.samples_per_step:
             dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl", trajectories[: t.samples_per_step],
@@ -326,4 +364,12 @@ class MetricsLog:
 
 
 def train(config: RunConfig, **kwargs: Any) -> RunDir:
-    return asyncio.run(Trainer(config, **kwargs).run())
+    """Run `config` to its last step (resuming from its run dir's latest checkpoint, if any)."""
+    async def main() -> RunDir:
+        trainer = Trainer(config, **kwargs)
+        try:
+            return await trainer.run()
+        finally:
+            await trainer.aclose()
+
+    return asyncio.run(main())

@@ -3,7 +3,8 @@
 After each training step the trainer pushes the policy's full weights (HF names, the learner's compute
 dtype, one tensor gathered at a time from the sharded module) into every engine, bucket by bucket
 (`engine.load_buckets`: an engine that takes serialized buckets gets each bucket encoded once; the others
-get the tensors through `update_weights`). The engines then sample from exactly the weights the learner
+get the tensors through `update_weights`). A vLLM engine on the learner's GPU maps the tensors by CUDA IPC
+instead, so they never leave the GPU. The engines then sample from exactly the weights the learner
 holds, which the next step's importance ratios assume. The push is timed (`timing/weight_sync`).
 """
 
@@ -19,5 +20,9 @@ from agentrl.engine import load_buckets
 async def push_weights(policy: Any, engines: Sequence[Any]) -> dict[str, float]:
     """Send `policy`'s weights to `engines` (collective on the learner's ranks); returns the timing."""
     start = time.perf_counter()
-    await load_buckets(engines, policy.state_for_sync())
+    on_gpu = policy.ctx.device.type == "cuda"
+    if len(engines) == 1 and on_gpu and callable(getattr(engines[0], "update_weights_on_gpu", None)):
+        await engines[0].update_weights_on_gpu(policy.state_for_sync())  # CUDA IPC: no copy through the host
+    else:
+        await load_buckets(engines, policy.state_for_sync())
     return {"timing/weight_sync": time.perf_counter() - start}

@@ -12,7 +12,8 @@ routed to one rank by its `session` key (sticky), where its prefix is cached.
 
 Weights are updated in place through a worker extension (vllm_worker.py) called with `collective_rpc`,
 in buckets serialised as safetensors bytes (the RPC's msgpack carries bytes, not tensors, in plain
-arguments), then the prefix cache is reset.
+arguments), then the prefix cache is reset. Tensors already on the engine's GPU (a colocated learner's)
+go by CUDA IPC instead (`update_weights_on_gpu`): the workers map the sender's flat bucket in place.
 
 `admission_interval_ms` (200 by default; 0 turns it off) holds each new request until the next multiple of
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
@@ -153,6 +154,37 @@ class VLLMEngine:
         refuse_in_flight(self._in_flight)  # every replica's; for update_weights, before the first bucket moves
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
+
+    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
+                                    bucket_bytes: int = 1 << 30) -> int:
+        """Load HF-named CUDA tensors on this engine's GPU (a colocated learner's) without a host copy: each
+        bucket is packed into one flat buffer whose CUDA IPC handle the workers map (vllm_worker.py), then
+        the prefix cache is reset. Returns how many tensors. The buffer lives until the workers return."""
+        import pickle
+
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        from agentrl.engine import bucket_by_bytes
+
+        refuse_in_flight(self._in_flight)
+        total = 0
+        for bucket in bucket_by_bytes(named_tensors, bucket_bytes):
+            layout, offset = [], 0
+            for name, t in bucket:
+                layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
+                offset += -(-t.numel() * t.element_size() // 256) * 256  # 256-byte aligned views
+            flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+            for (_, t), (_, _, _, start) in zip(bucket, layout, strict=True):
+                flat[start : start + t.numel() * t.element_size()].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            torch.cuda.current_stream(flat.device).synchronize()  # the bucket is whole before a worker reads it
+            _, args = reduce_tensor(flat)
+            await self.engine.collective_rpc("agentrl_load_ipc", args=(pickle.dumps(args), layout))
+            total += len(bucket)
+            del flat
+        torch.cuda.ipc_collect()
+        await self.reset_prefix_cache()
+        return total
 
     async def weights_loaded(self) -> None:
         await self.reset_prefix_cache()  # cached KV was computed with the old weights

@@ -1,0 +1,94 @@
+"""Where a colocated training step's time goes (one GPU: vLLM asleep while the FSDP2 learner trains).
+
+Runs `agentrl train` on the ToRL task with the real sandbox, a random-weight model of a Qwen2.5 shape and
+the real tokenizer, `--prompts` x `--n` samples per step, and prints each step's breakdown from
+metrics.jsonl: generation (the rollout), learner compute (old logprobs and training), and everything else
+(sleep, wake, weight push, checkpoint, logging), the last as a share of the step. Then, with the engine
+awake, it times the weight push both ways in the same process: CUDA IPC (what the trainer uses) against
+safetensors bytes through the host (the baseline), and prints their ratio.
+
+    python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--response-tokens", type=int, default=1024)
+    parser.add_argument("--out", default=None, help="write the figures here as JSON")
+    args = parser.parse_args()
+    os.environ["AGENTRL_TOKENIZER"] = args.tokenizer
+    sys.path.insert(0, str(REPO))
+    os.chdir(REPO)
+    from agentrl.run import load_run_config
+    from agentrl.trainer import Trainer
+    from tests.gpu.test_trainer_gpu import gpu_run_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
+    path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
+                          response_tokens=args.response_tokens)
+    config = load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false",
+                                    "learner.optim.lr=1e-6", "engine.gpu_memory_utilization=0.45"])
+    push = asyncio.run(_run(Trainer(config)))
+    metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = []
+    print(f"{'step':>4} {'step s':>8} {'rollout':>8} {'logprobs':>8} {'train':>8} {'sleep':>7} {'wake':>7} "
+          f"{'push':>7} {'other':>7} {'other %':>8} {'tokens':>9}")
+    for m in metrics:
+        compute = m["timing/rollout"] + m["timing/logprobs"] + m["timing/train"]
+        other = m["timing/step"] - compute
+        row = {"step": m["step"], "step_s": m["timing/step"], "rollout_s": m["timing/rollout"],
+               "logprobs_s": m["timing/logprobs"], "train_s": m["timing/train"], "sleep_s": m.get("timing/sleep", 0.0),
+               "wake_s": m.get("timing/wake", 0.0), "push_s": m["timing/weight_sync"], "other_s": other,
+               "other_share": other / m["timing/step"], "tokens": m["perf/actor_tokens"]}
+        rows.append(row)
+        print(f"{row['step']:>4} {row['step_s']:>8.2f} {row['rollout_s']:>8.2f} {row['logprobs_s']:>8.2f} "
+              f"{row['train_s']:>8.2f} {row['sleep_s']:>7.2f} {row['wake_s']:>7.2f} {row['push_s']:>7.3f} "
+              f"{row['other_s']:>7.2f} {100 * row['other_share']:>7.1f}% {row['tokens']:>9.0f}")
+    later = rows[1:] or rows  # step 1 includes vLLM's first CUDA-graph warm-up of these shapes
+    print(f"steps 2+: other {100 * sum(r['other_s'] for r in later) / sum(r['step_s'] for r in later):.1f}% of the "
+          f"step; sleep + push + wake {max(r['sleep_s'] + r['push_s'] + r['wake_s'] for r in later):.2f} s at most")
+    print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
+          f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"steps": rows, "push": push, "args": vars(args)}, indent=1))
+
+
+async def _run(trainer) -> dict[str, float]:
+    from agentrl.engine import load_buckets
+
+    try:
+        await trainer.run()
+        gb = sum(t.numel() * t.element_size() for _, t in trainer.policy.state_for_sync()) / 1e9
+        times = {}
+        for name in ("ipc", "host", "ipc"):  # IPC twice: the first call may pay one-time costs
+            start = time.perf_counter()
+            if name == "ipc":
+                await trainer.engine.update_weights_on_gpu(trainer.policy.state_for_sync())
+            else:
+                await load_buckets([trainer.engine], trainer.policy.state_for_sync())
+            times[f"{name}_s"] = time.perf_counter() - start
+        return times | {"gb": gb}
+    finally:
+        await trainer.aclose()
+
+
+if __name__ == "__main__":
+    main()
