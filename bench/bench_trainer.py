@@ -43,7 +43,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
-                          response_tokens=args.response_tokens)
+                          response_tokens=args.response_tokens, eager=False)
     config = load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false",
                                     "learner.optim.lr=1e-6", "engine.gpu_memory_utilization=0.45"])
     push = asyncio.run(_run(Trainer(config)))

@@ -25,7 +25,7 @@ def tokenizer_dir() -> Path:
 
 
 def gpu_run_config(tmp_path: Path, steps: int, prompts: int, n: int, shape: str = "qwen2.5-0.5b",
-                   response_tokens: int = 256, **trainer: object) -> Path:
+                   response_tokens: int = 256, eager: bool = True, **trainer: object) -> Path:
     """A run config file: debug_cpu.yaml's task and schedule on the GPU with vLLM and a real-sized model."""
     from transformers import AutoTokenizer
 
@@ -37,7 +37,7 @@ def gpu_run_config(tmp_path: Path, steps: int, prompts: int, n: int, shape: str 
         "model_type": "qwen2", "vocab_size": (len(tok) + 127) // 128 * 128, "max_position_embeddings": 4096,
         "rope_theta": 1_000_000.0, "eos_token_id": tok.eos_token_id, **SHAPES[shape]}}
     config["task"]["budgets"] = {"max_response_tokens": response_tokens, "max_prompt_tokens": 400}
-    config["engine"] = {"kind": "vllm", "gpu_memory_utilization": 0.35, "max_model_len": 4096}
+    config["engine"] = {"kind": "vllm", "gpu_memory_utilization": 0.35, "max_model_len": 4096, "enforce_eager": eager}
     config["learner"] = {"device": "cuda", "token_budget": 8192, "optim": {"lr": 1e-5}}
     config["rollout"] = {"n": n, "temperature": 1.0}
     config["logging"] = {"progress": False}
