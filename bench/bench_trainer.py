@@ -3,7 +3,7 @@
 Runs `agentrl train` on the ToRL task with the real sandbox, a random-weight model of a Qwen2.5 shape and
 the real tokenizer, `--prompts` x `--n` samples per step, and prints each step's breakdown from
 metrics.jsonl: generation (the rollout), learner compute (old logprobs and training), and everything else
-(sleep, wake, weight push, checkpoint, logging), the last as a share of the step. Then, with the engine
+(sleep, wake, weight push, checkpoint, logging), the last as a share of the step (checkpoints, every `save_every` steps, in a column of their own). Then, with the engine
 awake, it times the weight push both ways in the same process: CUDA IPC (what the trainer uses) against
 safetensors bytes through the host (the baseline), and prints their ratio.
 
@@ -50,20 +50,22 @@ def main() -> None:
     metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = []
     print(f"{'step':>4} {'step s':>8} {'rollout':>8} {'logprobs':>8} {'train':>8} {'sleep':>7} {'wake':>7} "
-          f"{'push':>7} {'other':>7} {'other %':>8} {'tokens':>9}")
+          f"{'push':>7} {'other':>7} {'other %':>8} {'ckpt':>7} {'tokens':>9}")
     for m in metrics:
         compute = m["timing/rollout"] + m["timing/logprobs"] + m["timing/train"]
-        other = m["timing/step"] - compute
+        checkpoint = m.get("timing/checkpoint", 0.0)  # every save_every steps: its own column
+        other = m["timing/step"] - compute - checkpoint
         row = {"step": m["step"], "step_s": m["timing/step"], "rollout_s": m["timing/rollout"],
                "logprobs_s": m["timing/logprobs"], "train_s": m["timing/train"], "sleep_s": m.get("timing/sleep", 0.0),
                "wake_s": m.get("timing/wake", 0.0), "push_s": m["timing/weight_sync"], "other_s": other,
-               "other_share": other / m["timing/step"], "tokens": m["perf/actor_tokens"]}
+               "other_share": other / (m["timing/step"] - checkpoint), "checkpoint_s": checkpoint,
+               "tokens": m["perf/actor_tokens"]}
         rows.append(row)
         print(f"{row['step']:>4} {row['step_s']:>8.2f} {row['rollout_s']:>8.2f} {row['logprobs_s']:>8.2f} "
               f"{row['train_s']:>8.2f} {row['sleep_s']:>7.2f} {row['wake_s']:>7.2f} {row['push_s']:>7.3f} "
-              f"{row['other_s']:>7.2f} {100 * row['other_share']:>7.1f}% {row['tokens']:>9.0f}")
+              f"{row['other_s']:>7.2f} {100 * row['other_share']:>7.1f}% {row['checkpoint_s']:>7.1f} {row['tokens']:>9.0f}")
     later = rows[1:] or rows  # step 1 includes vLLM's first CUDA-graph warm-up of these shapes
-    print(f"steps 2+: other {100 * sum(r['other_s'] for r in later) / sum(r['step_s'] for r in later):.1f}% of the "
+    print(f"steps 2+: other {100 * sum(r['other_s'] for r in later) / sum(r['step_s'] - r['checkpoint_s'] for r in later):.1f}% of the "
           f"step; sleep + push + wake {max(r['sleep_s'] + r['push_s'] + r['wake_s'] for r in later):.2f} s at most")
     print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
           f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
