@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from retriever.corpus import DEFAULT_MAX_PASSAGE_CHARS
 from retriever.encoder import DEFAULT_ENCODER
 from retriever.server_settings import ServerSettings
 
@@ -54,6 +55,8 @@ def build(
     precision: Annotated[str, Opt(help=PRECISION_HELP)] = "auto",
     shard_size: Annotated[int, Opt(help="Passages per committed shard (the unit of resume).")] = 16384,
     skip_bad: Annotated[bool, Opt(help="Skip and count bad corpus lines instead of stopping.")] = False,
+    max_passage_chars: Annotated[int, Opt(help="Cut each string field of a row to this many characters "
+                                          "(counted in the manifest).")] = DEFAULT_MAX_PASSAGE_CHARS,
     restart: Annotated[bool, Opt(help="Discard an interrupted build instead of resuming it.")] = False,
     overwrite: Annotated[bool, Opt(help="Replace --out if it exists.")] = False,
     keep_embeddings: Annotated[bool, Opt(help="Keep the embedding shards in OUT/embeddings.")] = False,
@@ -97,7 +100,8 @@ def build(
             BuildConfig(
                 corpus=corpus, out=out, index_type=index, encoder=encoder, pooling=pooling, prefix_style=prefix_style,
                 query_prefix=query_prefix, passage_prefix=passage_prefix, max_length=max_length,
-                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad, restart=restart,
+                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad,
+                max_passage_chars=max_passage_chars, restart=restart,
                 overwrite=overwrite, keep_embeddings=keep_embeddings, use_gpu=gpu, threads=threads, index_params=params, k1=k1,
                 b=b, progress=not quiet,
             )

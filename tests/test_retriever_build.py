@@ -210,7 +210,8 @@ def test_resume_refuses_other_settings_until_restart(tmp_path):
     out = tmp_path / "idx"
     work = partial_dir(out)
     work.mkdir()
-    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "stopwords": "en", "shard_size": 99}, "rows": 0}))
+    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "stopwords": "en", "shard_size": 99,
+                                                                "max_passage_chars": 16384}, "rows": 0}))
     with pytest.raises(RetrieverError, match=r"other settings \(shard_size: 99 -> 16384\).*--restart"):
         build_index(corpus, out, "bm25")
     assert build_index(corpus, out, "bm25", restart=True).corpus.rows == len(HAND_CORPUS)
@@ -220,11 +221,12 @@ def test_resume_refuses_a_changed_corpus(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
     out = tmp_path / "idx"
     first = (json.dumps(HAND_CORPUS[0]) + "\n").encode()
-    state = {"params": {"kind": "bm25", "stopwords": "en", "shard_size": 16384}, "corpus_offset": len(first),
+    state = {"params": {"kind": "bm25", "stopwords": "en", "shard_size": 16384, "max_passage_chars": 16384},
+             "corpus_offset": len(first),
              "corpus_line": 1, "corpus_row": 1, "prefix_sha256": hashlib.sha256(b"x" * len(first)).hexdigest()}  # fmt: skip
     partial_dir(out).mkdir()
     (partial_dir(out) / STATE_FILE).write_text(json.dumps(state))
-    with pytest.raises(RetrieverError, match="first bytes of the corpus differ"):
+    with pytest.raises(RetrieverError, match=r"first \d+ bytes of the corpus differ.*pass --restart"):
         build_index(corpus, out, "bm25")
 
 
