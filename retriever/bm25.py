@@ -18,8 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from retriever.errors import RetrieverError
+
 BM25_DIR = "bm25"
 TOKENIZER_VOCAB = "tokenizer_vocab.json"
+# What a saved index holds (bm25s's score matrix, vocabulary and parameters, and the query tokenizer's
+# vocabulary): a server checks each is there before it loads any.
+INDEX_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy", "vocab.index.json",
+               "params.index.json", TOKENIZER_VOCAB)
 DEFAULT_K1, DEFAULT_B, DEFAULT_METHOD, DEFAULT_STOPWORDS = 0.9, 0.4, "lucene", "en"
 
 
@@ -93,7 +99,14 @@ class Bm25Search:
         import bm25s
 
         self._threads = threads or -1  # bm25s: -1 = every core
-        self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
+        for name in INDEX_FILES:
+            if not (directory / name).is_file():
+                raise RetrieverError(f"{directory / name} is missing: the BM25 index is incomplete; rebuild the index")
+        try:
+            self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
+        except (ValueError, OSError, KeyError) as e:  # numpy's "mmap length is greater than file size", ...
+            raise RetrieverError(f"{directory}: bm25s cannot load it ({e}): a file is truncated or corrupt; "
+                                 "rebuild the index") from None
         word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
         self._tokenizer = new_tokenizer(stopwords, word_to_id)
         self.size = int(self._index.scores["num_docs"])

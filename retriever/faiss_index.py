@@ -184,7 +184,12 @@ class FaissSearch:
         if mmap:
             mapped = faiss.IO_FLAG_MMAP if index_type == "ivfpq" else faiss.IO_FLAG_MMAP_IFC
             flags = mapped | faiss.IO_FLAG_READ_ONLY
-        index = faiss.read_index(str(path), flags)
+        try:
+            index = faiss.read_index(str(path), flags)
+        except RuntimeError as e:  # faiss's message is a C++ location and a failed check: keep the check
+            why = str(e).strip().splitlines()[-1].split("failed: ")[-1]
+            raise RetrieverError(f"{path}: faiss cannot read it ({why}): the file is truncated or corrupt; "
+                                 "rebuild the index") from None
         faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
