@@ -24,17 +24,18 @@ import faiss
 import numpy as np
 
 from retriever.errors import RetrieverError
+from retriever.ranking import best_first, exact_scores
 
 INDEX_FILE = "index.faiss"
 MIN_POINTS_PER_CENTROID = 39  # below this faiss's k-means warns and the clusters are poor
 PQ_POINTS_PER_CENTROID = 10  # PQ sub-spaces have few dims: 10 points per code word train them well enough
 GPU_PQ_SIZES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
+RESCORE_MARGIN = 16  # candidates asked for beyond k, re-scored exactly before the k best are kept
 
 
 # Exhaustive (Flat) search of this many queries or more goes through one BLAS matrix product instead of a
-# SIMD scan per query. faiss 1.15's default is 128,000, i.e. a batch is scanned query by query; measured on
-# 100k x 384 vectors and two cores (BENCHMARKS.md): the scan wins for 1-2 queries, BLAS from 4 on (2-3x at
-# 16-128), which is what dynamic batching hands it.
+# SIMD scan per query. faiss's own default (128,000) would scan a dynamic batch query by query, though one
+# pass over the vectors for all of them costs less from a few queries on; a query or two scan faster.
 BLAS_THRESHOLD = 4
 
 
@@ -193,6 +194,7 @@ class FaissSearch:
         faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
+        self._stored = index  # the CPU index, whose vectors re-score the candidates (on GPU too)
         index, self.on_gpu = _onto_gpus(index, index_type, use_gpu)
         space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
         if index_type == "ivfpq":
@@ -202,10 +204,43 @@ class FaissSearch:
         self._index = index
         self._ef_search = int(params.get("ef_search", 0))
         self._hnsw = index_type == "hnsw"
+        self._rescore = index_type != "ivfpq"  # IVF-PQ keeps codes, not vectors: its own scores are ordered
+        # Flat on the CPU is exact: its float32 scores are within `_error` of the exact ones, so the answer can
+        # be proved complete (see `search`). On GPUs the vectors are held in fp16, far coarser.
+        self._error = 2 * self.dimension * 2.0**-24 if index_type == "flat" and not self.on_gpu else None
 
-    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        k = min(k, self.size)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
+    def _faiss_search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self._hnsw and k > self._ef_search:  # HNSW returns at most efSearch results
             return self._index.search(x, k, params=faiss.SearchParametersHNSW(efSearch=k))
         return self._index.search(x, k)
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of each query's k best passages, best first, equal scores by row; rows -1 past the
+        hits. faiss is asked for RESCORE_MARGIN more candidates, which are re-scored exactly (ranking.py)
+        so that the answer does not depend on the batch. On an exact (CPU Flat) index a query is searched
+        again with 4x the candidates while a passage outside them could still tie or beat the k-th:
+        faiss's score of the last candidate, plus its error bound, must stay below the k-th exact score."""
+        k = min(k, self.size)
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        out_scores = np.zeros((len(x), k), dtype=np.float32)
+        out_rows = np.full((len(x), k), -1, dtype=np.int64)
+        todo, wanted = np.arange(len(x)), min(self.size, k + RESCORE_MARGIN)
+        while todo.size:
+            scores, rows = self._faiss_search(x[todo], wanted)
+            if self._rescore:
+                found = np.maximum(rows, 0)
+                stored = self._stored.reconstruct_batch(found.ravel()).reshape(*found.shape, self.dimension)
+                exact = np.where(rows >= 0, exact_scores(x[todo], stored), -np.inf)
+            else:
+                exact = np.where(rows >= 0, scores.astype(np.float64), -np.inf)
+            again = []
+            for j, query in enumerate(todo):
+                order = best_first(exact[j], rows[j])[:k]
+                order = order[rows[j][order] >= 0]
+                complete = self._error is None or wanted == self.size or len(order) < k or rows[j, -1] < 0
+                if not complete and scores[j, -1] + self._error >= exact[j, order[-1]]:
+                    again.append(query)
+                    continue
+                out_scores[query, : len(order)], out_rows[query, : len(order)] = exact[j, order], rows[j, order]
+            todo, wanted = np.array(again, dtype=np.int64), min(self.size, wanted * 4)
+        return out_scores, out_rows
