@@ -6,7 +6,7 @@ site-packages) into an `EncoderSpec` without importing torch and without touchin
 looked up in the local Hugging Face cache only. Pooling and prefixes follow the model's name (e5: mean,
 `query: ` / `passage: `; bge: CLS, the search instruction on queries) unless given explicitly.
 `DenseEncoder` imports torch and transformers when it is built, so BM25 serving never loads them.
-build.py encodes passages with it, searcher.py encodes queries; manifest.py records the spec.
+ingest.py encodes passages with it, searcher.py queries (batch-invariant); manifest.py records the spec.
 """
 
 from __future__ import annotations
@@ -192,9 +192,8 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 encoding is several
-    times faster than float32 (measured on two Xeon cores with AMX: MiniLM, ~140-token passages, 16 -> 101
-    passages/s; BENCHMARKS.md)."""
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 matrix products run on
+    the CPU's bf16 units, at several times float32's rate, which is why `auto` picks bf16 there."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -229,7 +228,7 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
 class DenseEncoder:
     """A transformers encoder: pooled, L2-normalised float32 embeddings, computed in `precision`
     (resolve_precision: fp16 on GPU, bf16 on CPUs with native bf16 matmul, else fp32; the embeddings of
-    the three agree to a cosine of ~0.9999). Data-parallel over all GPUs when there are several.
+    the three agree to the lower precision's rounding). Data-parallel over all GPUs when there are several.
 
     `batch_invariant=True` (the server's query encoder) makes a text's embedding independent of the texts
     encoded with it. Reduced-precision kernels round differently for different shapes, and attention takes
