@@ -22,6 +22,7 @@ from retriever.reindex import reindex
 from tests.test_retriever_support import (
     HAND_CORPUS,
     REPO,
+    Killed,
     build_index,
     make_tiny_encoder,
     synthetic_corpus_file,
@@ -108,10 +109,6 @@ def test_existing_output_needs_overwrite(tmp_path):
         build_index(corpus, tmp_path / "idx", "bm25")
     write_jsonl(corpus, HAND_CORPUS[:3])
     assert build_index(corpus, tmp_path / "idx", "bm25", overwrite=True).corpus.rows == 3
-
-
-class Killed(BaseException):
-    """Stands for SIGKILL at one point of the build (BaseException: nothing in the build may catch it)."""
 
 
 @pytest.mark.parametrize("point", ["after dropping the shards", "after dropping the state", "with the old index aside"])

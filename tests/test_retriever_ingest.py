@@ -16,6 +16,7 @@ from retriever.errors import RetrieverError
 from retriever.ingest import sample_rows, shard_sampler
 from tests.test_retriever_support import (
     HAND_CORPUS,
+    Killed,
     build_index,
     make_tiny_encoder,
     reference_embeddings,
@@ -23,11 +24,6 @@ from tests.test_retriever_support import (
     synthetic_corpus_file,
     write_jsonl,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    return make_tiny_encoder(tmp_path_factory)
 
 
 def test_documents_carry_every_field_of_the_row(tmp_path):
@@ -43,9 +39,10 @@ def test_documents_carry_every_field_of_the_row(tmp_path):
     assert list(result[1][0]["document"]) == ["id", "contents", "title"]
 
 
-def test_a_passage_over_the_cap_is_cut_encoded_as_cut_counted_and_reported(tmp_path, tiny_encoder, capsys):
+def test_a_passage_over_the_cap_is_cut_encoded_as_cut_counted_and_reported(tmp_path_factory, tmp_path, capsys):
     """A huge line (1 MB here, with a cap of 100 characters) is served and encoded cut to the cap, each of
     its string fields; the rows under the cap are kept whole."""
+    tiny_encoder = make_tiny_encoder(tmp_path_factory)
     huge = {"id": "huge", "contents": '"Paris"\nParis is the capital and largest city of France. ' * 20_000,
             "text": "x" * 150}
     corpus = write_jsonl(tmp_path / "c.jsonl", [HAND_CORPUS[0], huge, HAND_CORPUS[2]])
@@ -90,10 +87,11 @@ def test_an_empty_corpus_does_not_poison_the_next_build(tmp_path):
     assert build_index(corpus, tmp_path / "idx", "bm25").corpus.rows == len(HAND_CORPUS)
 
 
-def test_rows_appended_after_a_build_read_its_corpus_are_not_left_out(tmp_path, tiny_encoder):
+def test_rows_appended_after_a_build_read_its_corpus_are_not_left_out(tmp_path_factory, tmp_path):
     """IVF-PQ refuses 8 passages after reading and encoding them (the state says the corpus was read).
     Rows appended since are then read by the next build, which continues after the committed shards;
     a corpus changed before them is refused, with how to restart."""
+    tiny_encoder = make_tiny_encoder(tmp_path_factory)
     path, _ = synthetic_corpus_file(tmp_path / "full.jsonl", 40)
     lines = path.read_bytes().splitlines(keepends=True)
     corpus = tmp_path / "c.jsonl"
@@ -116,10 +114,6 @@ def test_rows_appended_after_a_build_read_its_corpus_are_not_left_out(tmp_path, 
     with pytest.raises(RetrieverError, match=r"first \d+ bytes of the corpus differ.*pass --restart"):
         build_index(corpus, tmp_path / "idx2", "flat", **settings)
     assert build_index(corpus, tmp_path / "idx2", "flat", restart=True, **settings).corpus.rows == 8
-
-
-class Killed(BaseException):
-    """Stands for SIGKILL (BaseException: nothing in the build may catch it)."""
 
 
 def test_a_finished_build_is_not_published_for_a_changed_corpus(tmp_path, monkeypatch):

@@ -183,6 +183,10 @@ def build_index(corpus: Path, out: Path, index_type: str = "flat", **kwargs):
     return build(BuildConfig(corpus=corpus, out=out, index_type=index_type, **kwargs))
 
 
+class Killed(BaseException):
+    """Stands for SIGKILL at one point of a build (BaseException: nothing in the build may catch it)."""
+
+
 def make_tiny_encoder(tmp_path_factory) -> Path:
     """A tiny random BERT (32 dims) whose tokenizer also knows the synthetic corpus's syllables."""
     extra = [p["contents"] for p in SyntheticCorpus(100, words_per_passage=40).passages()]
