@@ -1,8 +1,9 @@
-"""The documents of an index directory: `id, contents` by integer row, without loading the corpus.
+"""The documents of an index directory: each corpus row (every field) by integer row, without loading the
+corpus.
 
-Two files: `docs.jsonl` (one `{"id", "contents"}` object a line, the index's row order) and
+Two files: `docs.jsonl` (one `{"id", "contents", ...}` object a line, the index's row order) and
 `docs.offsets.bin` (little-endian int64, the byte offset where each row starts). The writer appends
-both during a build and can be truncated back to a committed row count (a resumed build, build.py);
+both during a build and can be truncated back to a committed row count (a resumed build, ingest.py);
 the reader maps both, refuses a store whose files were cut short (the last row must start before the
 end of `docs.jsonl` and end with its newline), and parses only the rows a search returns (server.py).
 A passage costs 8 bytes of offsets and no Python object until it is asked for.

@@ -240,7 +240,7 @@ class DenseEncoder:
     or not a batch has padding. A text is then always computed by one sequence of kernels on its own row."""
 
     LENGTH_STEP = 8
-    INVARIANT_ROWS = {"cpu": 8, "gpu": 64}  # rows per forward: a lone query pays for them, so few on a CPU
+    INVARIANT_ROWS = {"cpu": 16, "gpu": 64}  # rows per forward: a lone query pays for them, so few on a CPU
 
     def __init__(
         self, spec: EncoderSpec, *, device: str | None = None, batch_size: int | None = None, threads: int | None = None,

@@ -1,8 +1,9 @@
 """The HTTP service: `POST /retrieve` with Search-R1's schema and `GET /health`.
 
 Request `{"queries": [...], "topk": k, "return_scores": bool}`. Response `{"result": [...]}`, one list per
-query, best first: `{"document": {"id", "contents"}, "score"}` items with `return_scores`, the bare
-documents without (what Search-R1's server meant to return; its own fails on `return_scores=false`).
+query, best first: `{"document": {"id", "contents", ...}, "score"}` items with `return_scores` (the
+document is the corpus row, every field of it), the bare documents without (what Search-R1's server
+meant to return; its own fails on `return_scores=false`).
 `topk` missing, null or 0 means the server's default (3, Search-R1's training setting), as Search-R1's
 server reads it. Bad input is answered at the boundary: a body over the size limit or too many queries ->
 413; a negative `topk` or one over 1000, an over-long query or a malformed body -> 422; no queries -> an

@@ -88,3 +88,32 @@ def test_an_answer_does_not_depend_on_its_batch_mates(tmp_path):
     assert [hits[0]["document"]["id"] for hits in alone[:2]] == ["hamlet", "paris"]
     assert together == alone
     assert merged == alone * 3
+
+
+def test_ivfpq_probes_the_same_lists_alone_or_batched(tmp_path):
+    """An IVF-PQ index of centroid pairs, each query on the bisector of a pair: which centroid of the pair
+    is nearer is decided by rounding, and faiss rounds differently alone (a SIMD scan) and in a batch
+    (BLAS). The lists probed, and so the hits, must not change with the batch."""
+    import faiss
+
+    from retriever.faiss_index import FaissSearch
+
+    rng = np.random.default_rng(0)
+    d, pairs = 32, 200
+    centroids = rng.standard_normal((2 * pairs, d)).astype(np.float32)
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    quantizer = faiss.IndexFlatIP(d)
+    quantizer.add(centroids)
+    index = faiss.IndexIVFPQ(quantizer, d, 2 * pairs, 8, 4, faiss.METRIC_INNER_PRODUCT)
+    passages = np.repeat(centroids, 3, axis=0) + (rng.standard_normal((6 * pairs, d)) * 0.05).astype(np.float32)
+    index.train(passages)  # the quantizer is given: this trains the PQ codes
+    index.add(passages)  # three passages in each list
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    searcher = FaissSearch(tmp_path / "index.faiss", "ivfpq", {"nprobe": 1}, mmap=False, use_gpu=False)
+    queries = centroids[:pairs] + centroids[pairs:]
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    together = searcher.search(queries, 3)
+    alone = [searcher.search(q[None], 3) for q in queries]
+    assert (together[1] >= 0).all()
+    np.testing.assert_array_equal(together[1], np.concatenate([r for _, r in alone]))
+    np.testing.assert_array_equal(together[0], np.concatenate([s for s, _ in alone]))
