@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -221,41 +221,64 @@ def measure_serving(index_dir: Path, queries: list[str], requests: int, rounds: 
     return result
 
 
-def grpo_request(work: Path, queries: list[str], threads: int | None, console: Console) -> None:
-    """One request of 2,560 queries against each index, and the query encoder's two modes."""
+def grpo_request(work: Path, queries: list[str], threads: int | None, rounds: int, console: Console) -> None:
+    """One request of 2,560 queries against each index, and the query encoder's two modes: each pair measured
+    back to back, in alternating order, `rounds` times; the medians, and the median of the rounds' ratios."""
     from retriever.encoder import DenseEncoder
     from retriever.searcher import open_index
 
     grpo = (queries * (2560 // len(queries) + 1))[:2560]
-    t = Table(title="Search-R1's GRPO batch: 2,560 queries, topk 3")
-    for col in ("index", "one request s", "2,560 requests at c=16 s", "ratio"):
+    t = Table(title=f"Search-R1's GRPO batch: 2,560 queries, topk 3 (median of {rounds} rounds)")
+    for col in ("index", "one request s", "2,560 one-query requests at c=16 s", "ratio"):
         t.add_column(col, justify="right")
     for name in INDEXES:
         with server(work / name, True, threads) as port:
             url = f"http://127.0.0.1:{port}/retrieve"
             httpx.post(url, json={"queries": grpo[:64], "topk": 3}, timeout=600)  # warm-up
-            started = time.perf_counter()
-            response = httpx.post(url, json={"queries": grpo, "topk": 3, "return_scores": True}, timeout=600)
-            one = time.perf_counter() - started
-            assert response.status_code == 200 and len(response.json()["result"]) == len(grpo), response.text[:200]
-            many = len(grpo) / asyncio.run(_load(port, grpo, 16, len(grpo)))["qps"]  # its warm-up excluded
-        t.add_row(name, f"{one:.2f}", f"{many:.2f}", f"{many / one:.2f}x")
+
+            def one_request(url: str = url) -> float:
+                started = time.perf_counter()
+                response = httpx.post(url, json={"queries": grpo, "topk": 3, "return_scores": True}, timeout=600)
+                assert response.status_code == 200 and len(response.json()["result"]) == len(grpo), response.text[:200]
+                return time.perf_counter() - started
+
+            def one_query_requests(port: int = port) -> float:
+                return len(grpo) / asyncio.run(_load(port, grpo, 16, len(grpo)))["qps"]  # its warm-up excluded
+
+            one, many = _alternate(one_request, one_query_requests, rounds)
+        t.add_row(name, f"{np.median(one):.2f}", f"{np.median(many):.2f}", f"{np.median(np.divide(many, one)):.2f}x")
     console.print(t)
     spec = open_index(work / "minilm-flat", threads=threads).index.encoder.spec
-    t = Table(title="Query encoder, 2,560 queries (MiniLM, the serving precision)")
+    encoders = {invariant: DenseEncoder(spec, threads=threads, batch_invariant=invariant) for invariant in (False, True)}
+    for encoder in encoders.values():
+        encoder.encode(grpo[:64], "query")  # warm-up
+
+    def timed(encoder) -> Callable[[], float]:
+        def run() -> float:
+            started = time.perf_counter()
+            encoder.encode(grpo, "query")
+            return time.perf_counter() - started
+
+        return run
+
+    padded, invariant = _alternate(timed(encoders[False]), timed(encoders[True]), rounds)
+    t = Table(title=f"Query encoder alone, 2,560 queries (MiniLM, {encoders[True].precision}; median of {rounds} rounds)")
     for col in ("mode", "s", "queries/s"):
         t.add_column(col, justify="right")
-    timings = {}
-    for invariant in (False, True):
-        encoder = DenseEncoder(spec, threads=threads, batch_invariant=invariant)
-        encoder.encode(grpo[:64], "query")  # warm-up
-        started = time.perf_counter()
-        encoder.encode(grpo, "query")
-        timings[invariant] = time.perf_counter() - started
-        mode = "batch-invariant (fixed shapes)" if invariant else "padded to each batch's longest"
-        t.add_row(mode, f"{timings[invariant]:.2f}", f"{len(grpo) / timings[invariant]:.0f}")
+    for mode, times in (("padded to each batch's longest", padded), ("batch-invariant (fixed shapes)", invariant)):
+        t.add_row(mode, f"{np.median(times):.2f}", f"{len(grpo) / np.median(times):.0f}")
     console.print(t)
-    console.print(f"batch-invariant / padded encoding time: {timings[True] / timings[False]:.2f}x")
+    console.print(f"batch-invariant / padded encoding time: {np.median(np.divide(invariant, padded)):.2f}x "
+                  "(median of the rounds' own ratios)")
+
+
+def _alternate(first: Callable[[], float], second: Callable[[], float], rounds: int) -> tuple[list[float], list[float]]:
+    """`rounds` timings of each, measured back to back, neither always first."""
+    a, b = [], []
+    for round_ in range(rounds):
+        for run, out in ((first, a), (second, b)) if round_ % 2 == 0 else ((second, b), (first, a)):
+            out.append(run())
+    return a, b
 
 
 def huge_line(work: Path, megabytes: int, threads: int | None, console: Console) -> None:
@@ -308,7 +331,7 @@ def main() -> None:
     built = build_indexes(work, args.passages, args.threads, console)
     queries = built.pop("queries")
     if args.grpo:
-        return grpo_request(work, queries, args.threads, console)
+        return grpo_request(work, queries, args.threads, args.rounds, console)
     ann = hnsw_vs_flat(work, queries, args.threads)
     serving = {name: measure_serving(work / name, queries, args.requests, args.rounds, args.threads) for name in INDEXES}
 

@@ -1,13 +1,14 @@
 """BM25 through bm25s, behind the same build / search shape as the dense indexes.
 
-Building: build.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
+Building: ingest.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
 stopwords, no stemming), writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` + `.lens.npy`)
-and appending the words each shard adds to a vocabulary log, so an interrupted build resumes. `build_bm25` then feeds the shards
-to bm25s as a lazy sequence (bm25s walks it a few times; no list of 21M token lists is ever held) and saves
-the sparse score matrix into `bm25/`. Searching maps that matrix (`mmap=True`), scores every passage for
-each query and keeps the best k, equal scores in corpus order (ranking.py); documents that share no term
-with the query (score 0) are not returned, and a query without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's,
-which Search-R1's BM25 baseline uses.
+and appending the words each shard adds to a vocabulary log, so an interrupted build resumes.
+`build_bm25` then feeds the shards to bm25s as a lazy sequence (bm25s walks it a few times; no list of
+21M token lists is ever held) and saves the sparse score matrix into `bm25/`. Searching maps that matrix
+(`mmap=True`), scores every passage for each query and keeps the best k, equal scores in corpus order
+(ranking.py); documents that share no term with the query (score 0) are not returned, and a query
+without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's, which
+Search-R1's BM25 baseline uses.
 """
 
 from __future__ import annotations

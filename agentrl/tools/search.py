@@ -8,7 +8,7 @@ shape is read: `{"document": {...}, "score"}` or a bare document.
 
 `batch()` sends many queries in one request, or in several when they exceed what the server takes in one:
 the tool reads the server's limits from `GET /health` (`limits`: queries, queries x topk and body bytes
-per request) before its first batch, splits to fit, sends the parts at once and returns the results in
+per request) before its first batch of several queries, splits to fit, sends the parts at once and returns the results in
 order. A server that states no limits (Search-R1's has no `/health`) gets one request. A 413 answer
 means the limits changed (the server restarted with others): they are read again and the batch is split
 anew, once.
@@ -133,6 +133,8 @@ class SearchTool:
         the server's limits (all the queries of a failed request fail alike)."""
         if not queries:
             return []
+        if len(queries) == 1:  # one query is never split: `call` costs one request, as before
+            return await self._request(queries)
         limits = await self.server_limits()
         results = await self._send_split(queries, limits)
         if any(r.error == "http_413" for r in results):  # the server's limits changed: read them again
