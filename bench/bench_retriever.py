@@ -10,6 +10,17 @@ dynamic batching and one serving one request at a time (`--no-dynamic-batching`)
 keep-alive client, one query per request) at concurrency 1 and 16 in alternation for `--rounds` rounds:
 median latency p50/p99 and QPS. The figure of merit is the QPS ratio at concurrency 16. Prints tables; `--json PATH` also writes the numbers. With `--workdir DIR`, a later run
 reuses the corpus and indexes there (and the build figures measured when they were built).
+
+Two other measurements, each on its own (they skip the above):
+
+    python bench/bench_retriever.py --grpo --passages 5000   # Search-R1's GRPO batch: 2,560 queries at once
+    python bench/bench_retriever.py --huge-line-mb 50        # a corpus with one 50 MB line: the size cap
+
+`--grpo` times one request of 2,560 queries (512 prompts x 5 samples) against each index, against the same
+queries sent as one-query requests at concurrency 16, and the batch-invariant query encoder against
+padding each batch to its longest query (the encoder alone). `--huge-line-mb` builds a small Flat index
+whose corpus holds one huge line, with the default per-passage cap and without one (a cap past the
+line's length), each build in its own process: wall time and peak memory.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,6 +221,96 @@ def measure_serving(index_dir: Path, queries: list[str], requests: int, rounds: 
     return result
 
 
+def grpo_request(work: Path, queries: list[str], threads: int | None, rounds: int, console: Console) -> None:
+    """One request of 2,560 queries against each index, and the query encoder's two modes: each pair measured
+    back to back, in alternating order, `rounds` times; the medians, and the median of the rounds' ratios."""
+    from retriever.encoder import DenseEncoder
+    from retriever.searcher import open_index
+
+    grpo = (queries * (2560 // len(queries) + 1))[:2560]
+    t = Table(title=f"Search-R1's GRPO batch: 2,560 queries, topk 3 (median of {rounds} rounds)")
+    for col in ("index", "one request s", "2,560 one-query requests at c=16 s", "ratio"):
+        t.add_column(col, justify="right")
+    for name in INDEXES:
+        with server(work / name, True, threads) as port:
+            url = f"http://127.0.0.1:{port}/retrieve"
+            httpx.post(url, json={"queries": grpo[:64], "topk": 3}, timeout=600)  # warm-up
+
+            def one_request(url: str = url) -> float:
+                started = time.perf_counter()
+                response = httpx.post(url, json={"queries": grpo, "topk": 3, "return_scores": True}, timeout=600)
+                assert response.status_code == 200 and len(response.json()["result"]) == len(grpo), response.text[:200]
+                return time.perf_counter() - started
+
+            def one_query_requests(port: int = port) -> float:
+                return len(grpo) / asyncio.run(_load(port, grpo, 16, len(grpo)))["qps"]  # its warm-up excluded
+
+            one, many = _alternate(one_request, one_query_requests, rounds)
+        t.add_row(name, f"{np.median(one):.2f}", f"{np.median(many):.2f}", f"{np.median(np.divide(many, one)):.2f}x")
+    console.print(t)
+    spec = open_index(work / "minilm-flat", threads=threads).index.encoder.spec
+    encoders = {invariant: DenseEncoder(spec, threads=threads, batch_invariant=invariant) for invariant in (False, True)}
+    for encoder in encoders.values():
+        encoder.encode(grpo[:64], "query")  # warm-up
+
+    def timed(encoder) -> Callable[[], float]:
+        def run() -> float:
+            started = time.perf_counter()
+            encoder.encode(grpo, "query")
+            return time.perf_counter() - started
+
+        return run
+
+    padded, invariant = _alternate(timed(encoders[False]), timed(encoders[True]), rounds)
+    t = Table(title=f"Query encoder alone, 2,560 queries (MiniLM, {encoders[True].precision}; median of {rounds} rounds)")
+    for col in ("mode", "s", "queries/s"):
+        t.add_column(col, justify="right")
+    for mode, times in (("padded to each batch's longest", padded), ("batch-invariant (fixed shapes)", invariant)):
+        t.add_row(mode, f"{np.median(times):.2f}", f"{len(grpo) / np.median(times):.0f}")
+    console.print(t)
+    console.print(f"batch-invariant / padded encoding time: {np.median(np.divide(invariant, padded)):.2f}x "
+                  "(median of the rounds' own ratios)")
+
+
+def _alternate(first: Callable[[], float], second: Callable[[], float], rounds: int) -> tuple[list[float], list[float]]:
+    """`rounds` timings of each, measured back to back, neither always first."""
+    a, b = [], []
+    for round_ in range(rounds):
+        for run, out in ((first, a), (second, b)) if round_ % 2 == 0 else ((second, b), (first, a)):
+            out.append(run())
+    return a, b
+
+
+def huge_line(work: Path, megabytes: int, threads: int | None, console: Console) -> None:
+    """Build a Flat index over 8 passages and one line of `megabytes` MB, with and without the size cap."""
+    corpus = work / f"huge-{megabytes}mb.jsonl"
+    if not corpus.exists():
+        passages = list(SyntheticCorpus(8).passages())
+        words = " ".join(SyntheticCorpus(8).queries(64, words=16)) + " "
+        text = (words * ((megabytes << 20) // len(words) + 1))[: megabytes << 20]
+        passages.insert(4, {"id": "huge", "contents": f'"Huge"\n{text}'})
+        corpus.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    t = Table(title=f"Building a corpus of 9 lines, one of {megabytes} MB (Flat, MiniLM)")
+    for col in ("per-passage cap", "wall s", "peak RSS MB"):
+        t.add_column(col, justify="right")
+    figures = {}
+    for cap in ("16384", str(10**12)):
+        out = work / f"huge-idx-{cap}"
+        cmd = [sys.executable, "-m", "retriever", "build", "--corpus", str(corpus), "--out", str(out), "--overwrite",
+               "--quiet", "--max-passage-chars", cap] + (["--threads", str(threads)] if threads else [])
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+        figures[cap] = (time.perf_counter() - started, usage.ru_maxrss / 1024)
+        if status:
+            raise SystemExit(f"build failed: {cmd}")
+        t.add_row("none" if cap != "16384" else "16384 characters (default)", f"{figures[cap][0]:.1f}",
+                  f"{figures[cap][1]:.0f}")
+    console.print(t)
+    (capped_s, capped_mb), (whole_s, whole_mb) = figures.values()
+    console.print(f"without the cap / with it: {whole_s / capped_s:.1f}x the time, {whole_mb / capped_mb:.1f}x the memory")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--passages", type=int, default=100_000)
@@ -218,13 +319,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch and faiss (default: all)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the corpus and indexes here (reused)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--grpo", action="store_true", help="only time 2,560 queries in one request (see above)")
+    parser.add_argument("--huge-line-mb", type=int, default=0, help="only time builds with a line this large")
     args = parser.parse_args()
     console = Console(highlight=False)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-retriever-"))
     work.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count()
+    if args.huge_line_mb:
+        return huge_line(work, args.huge_line_mb, args.threads, console)
     built = build_indexes(work, args.passages, args.threads, console)
     queries = built.pop("queries")
+    if args.grpo:
+        return grpo_request(work, queries, args.threads, args.rounds, console)
     ann = hnsw_vs_flat(work, queries, args.threads)
     serving = {name: measure_serving(work / name, queries, args.requests, args.rounds, args.threads) for name in INDEXES}
 

@@ -1,25 +1,36 @@
 """BM25 through bm25s, behind the same build / search shape as the dense indexes.
 
-Building: build.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
+Building: ingest.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
 stopwords, no stemming), writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` + `.lens.npy`)
-and appending the words each shard adds to a vocabulary log, so an interrupted build resumes. `build_bm25` then feeds the shards
-to bm25s as a lazy sequence (bm25s walks it a few times; no list of 21M token lists is ever held) and saves
-the sparse score matrix into `bm25/`. Searching maps that matrix (`mmap=True`); documents that share no
-term with the query (score 0) are not returned, and a query without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's,
-which Search-R1's BM25 baseline uses.
+and appending the words each shard adds to a vocabulary log, so an interrupted build resumes.
+`build_bm25` then feeds the shards to bm25s as a lazy sequence (bm25s walks it a few times; no list of
+21M token lists is ever held) and saves the sparse score matrix into `bm25/`. Searching maps that matrix
+(`mmap=True`), scores every passage for each query and keeps the best k, equal scores in corpus order
+(ranking.py); documents that share no term with the query (score 0) are not returned, and a query
+without a known term has no hits. The defaults k1=0.9, b=0.4 are Lucene's / pyserini's, which
+Search-R1's BM25 baseline uses.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from retriever.errors import RetrieverError
+from retriever.ranking import top_k
+
 BM25_DIR = "bm25"
 TOKENIZER_VOCAB = "tokenizer_vocab.json"
+# What a saved index holds (bm25s's score matrix, vocabulary and parameters, and the query tokenizer's
+# vocabulary): a server checks each is there before it loads any.
+INDEX_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy", "vocab.index.json",
+               "params.index.json", TOKENIZER_VOCAB)
 DEFAULT_K1, DEFAULT_B, DEFAULT_METHOD, DEFAULT_STOPWORDS = 0.9, 0.4, "lucene", "en"
 
 
@@ -92,21 +103,42 @@ class Bm25Search:
     def __init__(self, directory: Path, stopwords: str, *, mmap: bool = True, threads: int | None = None) -> None:
         import bm25s
 
-        self._threads = threads or -1  # bm25s: -1 = every core
-        self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
+        for name in INDEX_FILES:
+            if not (directory / name).is_file():
+                raise RetrieverError(f"{directory / name} is missing: the BM25 index is incomplete; rebuild the index")
+        try:
+            self._index = bm25s.BM25.load(str(directory), mmap=mmap, load_corpus=False, show_progress=False)
+        except (ValueError, OSError, KeyError) as e:  # numpy's "mmap length is greater than file size", ...
+            raise RetrieverError(f"{directory}: bm25s cannot load it ({e}): a file is truncated or corrupt; "
+                                 "rebuild the index") from None
         word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
         self._tokenizer = new_tokenizer(stopwords, word_to_id)
+        self._empty = word_to_id.get("")
         self.size = int(self._index.scores["num_docs"])
+        workers = threads or os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="bm25") if workers > 1 else None
 
     def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of the k best passages of each query, best first, equal scores in corpus order
+        (bm25s's own top-k returns them last-indexed first); rows -1 past the passages sharing a term."""
         k = min(k, self.size)
         ids = list(self._tokenizer.streaming_tokenize(queries, update_vocab=False, allow_empty=True))
-        # bm25s scores query by query: a batch spreads its queries over threads (one query: no pool)
-        threads = self._threads if len(ids) > 1 else 0
-        rows, scores = self._index.retrieve(ids, k=k, show_progress=False, n_threads=threads)
+        if len(ids) > 1 and self._pool is not None:  # numpy releases the GIL: queries score in parallel
+            hits = list(self._pool.map(lambda q: self._search_one(q, k), ids))
+        else:
+            hits = [self._search_one(q, k) for q in ids]
+        scores = np.zeros((len(ids), k), dtype=np.float32)
+        rows = np.full((len(ids), k), -1, dtype=np.int64)
+        for i, (s, r) in enumerate(hits):
+            scores[i, : len(r)], rows[i, : len(r)] = s, r
+        return scores, rows
+
+    def _search_one(self, token_ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
         # A query with no known term is tokenized to the empty token, which matches the empty passages:
         # it has no hits, like a Lucene query with no terms.
-        empty = self._tokenizer.word_to_id.get("")
-        no_terms = np.array([all(t == empty for t in q) for q in ids], dtype=bool)[:, None]
-        rows = np.where((scores > 0) & ~no_terms, rows, -1).astype(np.int64)
-        return scores.astype(np.float32), rows
+        if all(t == self._empty for t in token_ids):
+            return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
+        scores = self._index.get_scores_from_ids(token_ids)
+        rows = top_k(scores, k)
+        rows = rows[scores[rows] > 0]  # only passages that share a term with the query
+        return scores[rows], rows

@@ -1,18 +1,19 @@
 """`retriever build`: a corpus in, a complete index directory out, or nothing.
 
 Everything is written into `OUT.partial/` beside OUT and renamed to OUT when complete, so OUT never exists
-half-built. The corpus is streamed once, in shards of `shard_size` passages: each shard's embeddings
-(`shards/NNNNN.npy`) or BM25 token ids (`tokens/`) are written, the docs store is flushed, and only then is
-`build_state.json` advanced (corpus byte offset, rows, hash of the bytes read). A killed build rerun with the
-same command truncates what came after the last committed shard and continues from there; its settings and
-the corpus prefix must match. Then the index is built from the shards (faiss_index.py or bm25.py) and
-`manifest.json` (manifest.py) is written last. Memory stays bounded by a shard plus the index itself.
-reindex.py rebuilds another dense index type from a finished directory without re-encoding.
+half-built. ingest.py streams the corpus into shards and commits the build state after each one, so a
+killed build rerun with the same command continues after the last committed shard (its settings and the
+corpus prefix must match; `--restart` discards it). A build whose corpus yields no passage keeps nothing,
+so the fixed corpus builds from scratch. Then the index is built from the shards (faiss_index.py or
+bm25.py) and `manifest.json` (manifest.py) is written last, with the counts of skipped lines, passages cut
+to the size cap, empty contents and duplicate ids, which the build also reports. A build interrupted
+after its manifest checks that the corpus is still the one it read before it publishes. Memory stays
+bounded by a shard plus the index itself. reindex.py rebuilds another dense index type from a finished
+directory without re-encoding.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -25,10 +26,24 @@ from typing import Any
 import numpy as np
 
 from retriever import bm25
-from retriever.corpus import CorpusReader
-from retriever.docstore import DocStoreWriter
+from retriever.corpus import DEFAULT_MAX_PASSAGE_CHARS, sha256_of
 from retriever.encoder import DEFAULT_ENCODER, EncoderSpec, resolve_encoder
 from retriever.errors import RetrieverError
+from retriever.ingest import (
+    EMBEDDINGS_DIR,
+    IDS_DIR,
+    SHARDS_DIR,
+    STATE_FILE,
+    TOKENS_DIR,
+    VOCAB_LOG,
+    BuildState,
+    atomic_write_json,
+    count_duplicate_ids,
+    ingest_corpus,
+    load_vocab,
+    shard_reader,
+    shard_sampler,
+)
 from retriever.manifest import (
     DENSE_TYPES,
     MANIFEST_FILE,
@@ -36,15 +51,10 @@ from retriever.manifest import (
     CorpusInfo,
     EncoderInfo,
     Manifest,
-    atomic_write_text,
     partial_dir,
     read_manifest,
     write_manifest,
 )
-
-STATE_FILE = "build_state.json"
-SHARDS_DIR, TOKENS_DIR, EMBEDDINGS_DIR = "shards", "tokens", "embeddings"
-VOCAB_LOG = "tokenizer_vocab.partial.jsonl"  # BM25: the vocabulary so far, one JSON word a line, in id order
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class BuildConfig:
     precision: str = "auto"  # encoder compute dtype: encoder.resolve_precision
     shard_size: int = 16384
     skip_bad: bool = False
+    max_passage_chars: int = DEFAULT_MAX_PASSAGE_CHARS  # each string field of a row is cut to this
     restart: bool = False
     overwrite: bool = False
     keep_embeddings: bool = False
@@ -74,56 +85,6 @@ class BuildConfig:
     progress: bool = True
 
 
-@dataclass
-class BuildState:
-    params: dict[str, Any]
-    shards: int = 0
-    rows: int = 0
-    docs_bytes: int = 0
-    corpus_offset: int = 0
-    corpus_line: int = 0
-    corpus_row: int = 0
-    prefix_sha256: str | None = None
-    skipped: int = 0
-    first_errors: list[str] = field(default_factory=list)
-    encoded: bool = False
-    finished: bool = False  # the manifest is written: what is left is dropping scaffolding and the rename
-    encode_seconds: float = 0.0
-    vocab_terms: int = 0  # BM25: committed words of VOCAB_LOG ...
-    vocab_bytes: int = 0  # ... and its committed length (a resume cuts off what came after)
-
-
-def load_vocab(path: Path, terms: int, nbytes: int) -> dict[str, int]:
-    """The committed BM25 vocabulary (word -> id) from the append-only VOCAB_LOG, after cutting off what an
-    interrupted commit wrote past `nbytes`."""
-    if not path.exists():
-        return {}
-    os.truncate(path, nbytes)
-    with open(path, encoding="utf-8") as f:
-        words = [json.loads(line) for line in f]
-    if len(words) != terms:
-        raise RetrieverError(f"{path}: {len(words)} words, the build state says {terms}; pass --restart")
-    return {word: i for i, word in enumerate(words)}
-
-
-def append_vocab(path: Path, word_to_id: dict[str, int], terms: int, nbytes: int) -> tuple[int, int]:
-    """Append the words added since the last commit (the first `terms` are already there) and sync; returns
-    the new (terms, nbytes). Each commit writes only its new words, not the whole vocabulary again."""
-    new = list(itertools.islice(word_to_id.items(), terms, None))
-    if any(wid != terms + i for i, (_, wid) in enumerate(new)):
-        raise RetrieverError("the BM25 tokenizer numbered its words out of insertion order; cannot log them")
-    data = "".join(json.dumps(word, ensure_ascii=False) + "\n" for word, _ in new).encode()
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return terms + len(new), nbytes + len(data)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2))
-
-
 def _log(cfg: BuildConfig, message: str) -> None:
     if cfg.progress:
         print(message, file=sys.stderr, flush=True)
@@ -132,13 +93,14 @@ def _log(cfg: BuildConfig, message: str) -> None:
 def _content_params(cfg: BuildConfig, spec: EncoderSpec | None) -> dict[str, Any]:
     """What the shards depend on: a partial build resumes only under the same values."""
     if spec is None:
-        return {"kind": "bm25", "stopwords": bm25.DEFAULT_STOPWORDS, "shard_size": cfg.shard_size}
+        return {"kind": "bm25", "stopwords": bm25.DEFAULT_STOPWORDS, "shard_size": cfg.shard_size,
+                "max_passage_chars": cfg.max_passage_chars}
     from retriever.encoder import on_gpu, resolve_precision
 
     return {
         "kind": "dense", "encoder": spec.name, "fingerprint": spec.fingerprint, "pooling": spec.pooling,
         "query_prefix": spec.query_prefix, "passage_prefix": spec.passage_prefix,
-        "max_length": spec.max_length, "shard_size": cfg.shard_size,
+        "max_length": spec.max_length, "shard_size": cfg.shard_size, "max_passage_chars": cfg.max_passage_chars,
         "precision": resolve_precision(cfg.precision, on_gpu(cfg.device)),
     }  # fmt: skip
 
@@ -147,7 +109,11 @@ def _open_state(cfg: BuildConfig, work: Path, params: dict[str, Any]) -> BuildSt
     if cfg.restart and work.exists():
         shutil.rmtree(work)
     if (work / STATE_FILE).exists():
-        state = BuildState(**json.loads((work / STATE_FILE).read_text()))
+        try:
+            state = BuildState(**json.loads((work / STATE_FILE).read_text()))
+        except (TypeError, ValueError):  # unreadable, or written by a version with other state fields
+            raise RetrieverError(f"{work / STATE_FILE} is not a build state this version reads; "
+                                 "pass --restart to build from the start") from None
         if state.params != params:
             diff = ", ".join(f"{k}: {state.params.get(k)!r} -> {v!r}" for k, v in params.items() if state.params.get(k) != v)
             raise RetrieverError(
@@ -174,6 +140,8 @@ def build(cfg: BuildConfig) -> Manifest:
         raise RetrieverError(f"corpus {cfg.corpus}: no such file")
     if cfg.shard_size < 1:
         raise RetrieverError("--shard-size must be at least 1")
+    if cfg.max_passage_chars < 1:
+        raise RetrieverError(f"--max-passage-chars must be at least 1, got {cfg.max_passage_chars}")
     dense = cfg.index_type in DENSE_TYPES
     spec = (
         resolve_encoder(
@@ -186,13 +154,16 @@ def build(cfg: BuildConfig) -> Manifest:
     state = _open_state(cfg, work, _content_params(cfg, spec))
     if state.finished:  # interrupted after the index was complete: only the clean-up and the rename are left
         manifest = read_manifest(work)
+        _check_corpus_unchanged(cfg.corpus, manifest.corpus, work)
         _finish(cfg, work, manifest, state)
         return manifest
     started = time.time()
-    if not state.encoded:
-        _encode_corpus(cfg, spec, work, state)
+    ingest_corpus(cfg, spec, work, state, lambda message: _log(cfg, message))
     if state.rows == 0:
-        raise RetrieverError(f"corpus {cfg.corpus}: no passages (only blank or skipped lines)")
+        shutil.rmtree(work)  # nothing worth resuming: the next run starts afresh
+        raise RetrieverError(f"corpus {cfg.corpus}: no passages (only blank or skipped lines); nothing was kept: "
+                             "fix the corpus and run the command again")
+    duplicates, first_duplicates = count_duplicate_ids(work, state.shards)
     index_started = time.time()
     if spec is not None:
         dimension, index_params = _index_dense(cfg, work, state)
@@ -208,10 +179,13 @@ def build(cfg: BuildConfig) -> Manifest:
         bm25=None if dense else Bm25Info(k1=cfg.k1, b=cfg.b, method=bm25.DEFAULT_METHOD, stopwords=bm25.DEFAULT_STOPWORDS),
         corpus=CorpusInfo(
             source=str(cfg.corpus), rows=state.rows, bytes=state.corpus_offset, sha256=state.prefix_sha256 or "",
-            skipped_lines=state.skipped,
+            skipped_lines=state.counts.get("skipped", 0), max_passage_chars=cfg.max_passage_chars,
+            truncated=state.counts.get("truncated", 0), empty_contents=state.counts.get("empty", 0),
+            duplicate_ids=duplicates,
         ),
         index_params=index_params,
-        build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started),
+        build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started)
+        | {"first_duplicate_ids": first_duplicates},
     )  # fmt: skip
     _finish(cfg, work, manifest, state)
     return manifest
@@ -224,113 +198,10 @@ def _build_info(state: BuildState, index_seconds: float, total_seconds: float) -
     return {
         "encode_seconds": round(state.encode_seconds, 3), "index_seconds": round(index_seconds, 3),
         "passages_per_second": round(rate, 1) if rate else None, "seconds_this_run": round(total_seconds, 3),
-        "faiss_version": faiss.__version__, "first_skipped": state.first_errors,
+        "faiss_version": faiss.__version__, "first_skipped": state.examples.get("skipped", []),
+        "first_truncated": state.examples.get("truncated", []), "first_empty": state.examples.get("empty", []),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }  # fmt: skip
-
-
-def _encode_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state: BuildState) -> None:
-    """Stream the corpus into shards, committing the build state after each one."""
-    from tqdm import tqdm
-
-    shard_dir = work / (SHARDS_DIR if spec is not None else TOKENS_DIR)
-    shard_dir.mkdir(exist_ok=True)
-    encoder = None
-    if spec is not None:
-        from retriever.encoder import DenseEncoder
-
-        encoder = DenseEncoder(spec, device=cfg.device, batch_size=cfg.batch_size, threads=cfg.threads,
-                               precision=cfg.precision)
-    tokenizer = None
-    if spec is None:
-        tokenizer = bm25.new_tokenizer(word_to_id=load_vocab(work / VOCAB_LOG, state.vocab_terms, state.vocab_bytes))
-    corpus_bytes = cfg.corpus.stat().st_size if cfg.corpus.is_file() else 0
-    docs = DocStoreWriter(work, rows=state.rows, nbytes=state.docs_bytes)
-    bar = tqdm(desc=f"encode {cfg.index_type}", unit="passage", initial=state.rows, disable=not cfg.progress, smoothing=0.1)
-    session_started, session_rows = time.time(), state.rows
-    texts: list[str] = []
-    pending_errors: list[str] = []  # bad lines since the last commit: a resumed build reads them again
-
-    def commit(reader: CorpusReader) -> None:
-        if corpus_bytes and reader.offset:  # the bar's total, from the mean bytes per passage so far
-            bar.total = max(state.rows + len(texts), round(corpus_bytes * reader.row / reader.offset))
-        if encoder is not None:
-            vectors = encoder.encode(texts, "passage", on_batch=bar.update)
-            tmp = shard_dir / f".{state.shards:05d}.tmp.npy"
-            np.save(tmp, vectors)
-            tmp.rename(shard_dir / f"{state.shards:05d}.npy")
-        else:
-            bm25.save_shard(shard_dir, state.shards, *bm25.tokenize_passages(tokenizer, texts))
-            state.vocab_terms, state.vocab_bytes = append_vocab(
-                work / VOCAB_LOG, tokenizer.word_to_id, state.vocab_terms, state.vocab_bytes)
-            bar.update(len(texts))
-        state.rows, state.docs_bytes = docs.commit()
-        state.encode_seconds = encode_before + time.time() - session_started
-        state.shards += 1
-        state.corpus_offset, state.corpus_line, state.corpus_row = reader.offset, reader.line_no, reader.row
-        state.prefix_sha256 = reader.sha256()
-        _count_skipped(state, pending_errors)
-        atomic_write_json(work / STATE_FILE, asdict(state))
-        texts.clear()
-
-    encode_before = state.encode_seconds
-    try:
-        with open(cfg.corpus, "rb") as stream:
-            reader = CorpusReader(
-                stream, skip_bad=cfg.skip_bad, start_offset=state.corpus_offset, start_line=state.corpus_line,
-                start_row=state.corpus_row, prefix_sha256=state.prefix_sha256,
-            )  # fmt: skip
-            for line in reader:
-                if line.passage is None:
-                    pending_errors.append(line.error or "")
-                    continue
-                texts.append(line.passage.contents)
-                docs.append(line.passage.to_json_line())
-                if len(texts) == cfg.shard_size:
-                    commit(reader)
-            if texts:
-                commit(reader)
-            state.corpus_offset, state.prefix_sha256 = reader.offset, reader.sha256()
-            _count_skipped(state, pending_errors)
-    finally:
-        docs.close()
-        bar.close()
-    state.encoded = True
-    atomic_write_json(work / STATE_FILE, asdict(state))
-    rate = (state.rows - session_rows) / max(time.time() - session_started, 1e-9)
-    skipped = f"; skipped {state.skipped} bad lines (first: {state.first_errors[0]})" if state.skipped else ""
-    _log(cfg, f"read {state.rows} passages in {state.shards} shards ({rate:.1f} passages/s this run){skipped}")
-
-
-def _count_skipped(state: BuildState, errors: list[str]) -> None:
-    state.skipped += len(errors)
-    state.first_errors.extend(errors[: max(0, 5 - len(state.first_errors))])
-    errors.clear()
-
-
-def shard_reader(directory: Path, n_shards: int):
-    """Shards of embeddings as a re-iterable source, each memory-mapped while it is added."""
-    return lambda: (np.load(directory / f"{i:05d}.npy", mmap_mode="r") for i in range(n_shards))
-
-
-def sample_rows(n: int, m: int) -> np.ndarray:
-    """min(m, n) of the row numbers 0..n-1, drawn uniformly without replacement (seeded), sorted."""
-    return np.sort(np.random.default_rng(0).choice(n, size=min(m, n), replace=False))
-
-
-def shard_sampler(directory: Path, n_shards: int, shard_size: int, n_rows: int):
-    """`sample(m)`: m rows drawn uniformly without replacement (seeded), read shard by shard."""
-
-    def sample(m: int) -> np.ndarray:
-        rows = sample_rows(n_rows, m)
-        parts = []
-        for shard in range(n_shards):
-            mask = (rows // shard_size) == shard
-            if mask.any():
-                parts.append(np.load(directory / f"{shard:05d}.npy", mmap_mode="r")[rows[mask] % shard_size])
-        return np.concatenate(parts)
-
-    return sample
 
 
 def _index_dense(cfg: BuildConfig, work: Path, state: BuildState) -> tuple[int, dict[str, Any]]:
@@ -343,7 +214,7 @@ def _index_dense(cfg: BuildConfig, work: Path, state: BuildState) -> tuple[int, 
     _log(cfg, f"building {cfg.index_type} index over {state.rows} vectors of {dim} dims ({params})")
     index = build_faiss(
         cfg.index_type, dim, params, shard_reader(shards, state.shards),
-        shard_sampler(shards, state.shards, cfg.shard_size, state.rows), cfg.use_gpu,
+        shard_sampler(shards, state.shards, state.rows), cfg.use_gpu,
     )  # fmt: skip
     write_faiss(index, work / INDEX_FILE)
     return dim, params
@@ -370,13 +241,38 @@ def _finish(cfg: BuildConfig, work: Path, manifest: Manifest, state: BuildState)
         atomic_write_json(work / STATE_FILE, asdict(state))
     if cfg.keep_embeddings and (work / SHARDS_DIR).exists():
         (work / SHARDS_DIR).rename(work / EMBEDDINGS_DIR)
-    for leftover in (SHARDS_DIR, TOKENS_DIR):
+    for leftover in (SHARDS_DIR, TOKENS_DIR, IDS_DIR):
         if (work / leftover).exists():
             shutil.rmtree(work / leftover)
     for leftover in (VOCAB_LOG, STATE_FILE):
         (work / leftover).unlink(missing_ok=True)
     publish(work, cfg.out, cfg.overwrite)
-    _log(cfg, f"wrote {cfg.out}: {manifest.index_type}, {manifest.corpus.rows} passages")
+    _log(cfg, f"wrote {cfg.out}: {manifest.index_type}, {manifest.corpus.rows} passages{corpus_notes(manifest)}")
+
+
+def corpus_notes(manifest: Manifest) -> str:
+    """What the build noticed about the rows, for its last line: "; 2 duplicate ids (first: "7"), ..."."""
+    c, b = manifest.corpus, manifest.build
+    notes = [
+        (c.skipped_lines, "bad lines skipped", b.get("first_skipped", [])),
+        (c.truncated, f"passages cut to {c.max_passage_chars} characters", b.get("first_truncated", [])),
+        (c.empty_contents, "passages with empty contents", b.get("first_empty", [])),
+        (c.duplicate_ids, "passages repeating an earlier id", b.get("first_duplicate_ids", [])),
+    ]
+    return "".join(f"; {n} {what} (first: {first[0]})" if first else f"; {n} {what}" for n, what, first in notes if n)
+
+
+def _check_corpus_unchanged(corpus: Path, built: CorpusInfo, work: Path) -> None:
+    """Before publishing a build interrupted after its manifest: the corpus must still be the one it read
+    (size, then hash), or rows appended since would be silently left out."""
+    if not corpus.is_file():
+        return  # a pipe cannot be read twice: what was read is what was built
+    size = corpus.stat().st_size
+    if size != built.bytes or sha256_of(corpus) != built.sha256:
+        raise RetrieverError(
+            f"{work} holds a finished build of {built.bytes} bytes of {corpus}, which has changed since "
+            f"({size} bytes now); pass --restart to build it from the start"
+        )
 
 
 def publish(work: Path, out: Path, overwrite: bool) -> None:

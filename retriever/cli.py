@@ -13,7 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from retriever.corpus import DEFAULT_MAX_PASSAGE_CHARS
 from retriever.encoder import DEFAULT_ENCODER
+from retriever.server_settings import ServerSettings
 
 app = typer.Typer(
     help="Build and serve retrieval indexes (dense FAISS or BM25) with Search-R1's /retrieve schema.",
@@ -23,6 +25,7 @@ app = typer.Typer(
 )
 
 Opt = typer.Option
+_SERVE = ServerSettings()  # `serve`'s defaults are the settings' own
 OptInt = Optional[int]  # noqa: UP045 - typer reads annotations at runtime on Python 3.10
 OptStr = Optional[str]  # noqa: UP045
 PRECISION_HELP = ("Encoder compute dtype: auto (fp16 on GPU, bf16 on CPUs with AMX / AVX512-BF16, else fp32) | "
@@ -52,6 +55,8 @@ def build(
     precision: Annotated[str, Opt(help=PRECISION_HELP)] = "auto",
     shard_size: Annotated[int, Opt(help="Passages per committed shard (the unit of resume).")] = 16384,
     skip_bad: Annotated[bool, Opt(help="Skip and count bad corpus lines instead of stopping.")] = False,
+    max_passage_chars: Annotated[int, Opt(help="Cut each string field of a row to this many characters "
+                                          "(counted in the manifest).")] = DEFAULT_MAX_PASSAGE_CHARS,
     restart: Annotated[bool, Opt(help="Discard an interrupted build instead of resuming it.")] = False,
     overwrite: Annotated[bool, Opt(help="Replace --out if it exists.")] = False,
     keep_embeddings: Annotated[bool, Opt(help="Keep the embedding shards in OUT/embeddings.")] = False,
@@ -95,7 +100,8 @@ def build(
             BuildConfig(
                 corpus=corpus, out=out, index_type=index, encoder=encoder, pooling=pooling, prefix_style=prefix_style,
                 query_prefix=query_prefix, passage_prefix=passage_prefix, max_length=max_length,
-                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad, restart=restart,
+                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad,
+                max_passage_chars=max_passage_chars, restart=restart,
                 overwrite=overwrite, keep_embeddings=keep_embeddings, use_gpu=gpu, threads=threads, index_params=params, k1=k1,
                 b=b, progress=not quiet,
             )
@@ -115,14 +121,14 @@ def serve(
     gpu: Annotated[bool, Opt(help="Search on faiss-gpu when GPUs are present.")] = True,
     mmap: Annotated[bool, Opt(help="Memory-map the FAISS index instead of reading it into RAM.")] = False,
     threads: Annotated[OptInt, Opt(help="CPU threads for torch and faiss (default: all cores).")] = None,
-    topk: Annotated[int, Opt(help="topk when a request gives none.")] = 3,
-    dynamic_batching: Annotated[bool, Opt(help="Merge concurrent requests into one forward + search.")] = True,
-    max_batch_queries: Annotated[int, Opt(help="Most queries merged into one batch.")] = 256,
-    max_wait_ms: Annotated[float, Opt(help="How long a batch waits for more requests.")] = 2.0,
-    max_queries: Annotated[int, Opt(help="Most queries in one request (413 beyond).")] = 1024,
-    max_results: Annotated[int, Opt(help="Most queries x topk in one request (413 beyond).")] = 65536,
-    max_query_chars: Annotated[int, Opt(help="Longest query in characters (422 beyond).")] = 4096,
-    max_body_bytes: Annotated[int, Opt(help="Largest request body (413 beyond).")] = 4 << 20,
+    topk: Annotated[int, Opt(help="topk when a request gives none (or 0).")] = _SERVE.default_topk,
+    dynamic_batching: Annotated[bool, Opt(help="Merge concurrent requests into one forward + search.")] = _SERVE.dynamic_batching,
+    max_batch_queries: Annotated[int, Opt(help="Most queries merged into one batch.")] = _SERVE.max_batch_queries,
+    max_wait_ms: Annotated[float, Opt(help="How long a batch waits for more requests.")] = _SERVE.max_wait_ms,
+    max_queries: Annotated[int, Opt(help="Most queries in one request (413 beyond).")] = _SERVE.max_queries,
+    max_results: Annotated[int, Opt(help="Most queries x topk in one request (413 beyond).")] = _SERVE.max_results,
+    max_query_chars: Annotated[int, Opt(help="Longest query in characters (422 beyond).")] = _SERVE.max_query_chars,
+    max_body_bytes: Annotated[int, Opt(help="Largest request body (413 beyond).")] = _SERVE.max_body_bytes,
     log_level: Annotated[str, Opt(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve an index: POST /retrieve (Search-R1 schema), GET /health."""
@@ -138,7 +144,7 @@ def serve(
 
     import uvicorn
 
-    from retriever.server import ServerSettings, create_app
+    from retriever.server import create_app
 
     # The encoder forward runs on a worker thread and holds the GIL between torch kernels; a 1 ms switch
     # interval (Python's default is 5 ms) lets the event loop accept the requests that form the next batch.

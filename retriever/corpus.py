@@ -2,7 +2,10 @@
 
 `CorpusReader` streams the file in binary (so it also reads a pipe), keeps the byte offset and line number
 of every line (a resumed build restarts at a byte offset, and errors name the line), and hashes the bytes
-as it goes (the manifest records the corpus checksum). build.py drives it; nothing here holds the corpus.
+as it goes (the manifest records the corpus checksum). Each row is kept whole, every field of it (`title`,
+`text`, ... where the corpus has them), as Search-R1's dense server returns its rows; every string field
+is cut to `max_chars` characters (the per-passage cap), and the passage says whether it was cut and
+whether its `contents` is empty. ingest.py drives it; nothing here holds the corpus.
 """
 
 from __future__ import annotations
@@ -12,22 +15,37 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from retriever.errors import RetrieverError
 
 _HASH_BLOCK = 1 << 24
+DEFAULT_MAX_PASSAGE_CHARS = 16384  # far past what a 512-token encoder reads of real text; bounds a huge line's cost
 
 
 @dataclass(frozen=True)
 class Passage:
-    """One corpus row as the index stores it: the original `id` (kept as given) and `contents`."""
+    """One corpus row as the index stores and serves it: every field of the row, `id` first (the row number
+    where the row has none), each string cut to the cap; `contents` is what is encoded or tokenized."""
 
-    id: Any
-    contents: str
+    row: dict[str, Any]
+    truncated: bool = False  # some string field was longer than the cap and was cut
+
+    @property
+    def id(self) -> Any:
+        return self.row["id"]
+
+    @property
+    def contents(self) -> str:
+        return self.row["contents"]
+
+    @property
+    def empty(self) -> bool:
+        return not self.contents.strip()
 
     def to_json_line(self) -> bytes:
-        return (json.dumps({"id": self.id, "contents": self.contents}, ensure_ascii=False, allow_nan=False) + "\n").encode()
+        return (json.dumps(self.row, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
 def _no_constant(name: str) -> Any:
@@ -41,10 +59,11 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
+def parse_line(raw: bytes, line_no: int, row: int, max_chars: int = DEFAULT_MAX_PASSAGE_CHARS) -> Passage:
     """Parse one corpus line, or raise RetrieverError naming the line and what is wrong with it.
 
     A missing `id` falls back to the row number (as a string, like wiki-18's ids); `contents` is required.
+    String fields longer than `max_chars` characters are cut there (Passage.truncated says so).
     """
     try:
         obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
@@ -58,14 +77,26 @@ def parse_line(raw: bytes, line_no: int, row: int) -> Passage:
     if not isinstance(contents, str):
         what = "lacks a `contents` field" if contents is None else f"has a non-string `contents` ({type(contents).__name__})"
         raise RetrieverError(f'corpus line {line_no}: {what}; expected {{"id": ..., "contents": "\\"Title\\"\\ntext"}}')
-    doc_id = obj.get("id", str(row))
-    passage = Passage(id=doc_id, contents=contents)
+    fields = {"id": obj.get("id", str(row)), **obj}
+    long = [k for k, v in fields.items() if isinstance(v, str) and len(v) > max_chars]
+    for key in long:
+        fields[key] = fields[key][:max_chars]
+    passage = Passage(fields, truncated=bool(long))
     try:
         passage.to_json_line()  # JSON's \ud800 escapes decode to lone surrogates, which UTF-8 cannot hold
     except UnicodeEncodeError as e:
         raise RetrieverError(f"corpus line {line_no}: a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}) that "
                              "UTF-8 cannot encode") from None
     return passage
+
+
+def sha256_of(path: Path) -> str:
+    """The hash the manifest records for a corpus file, computed from the file as it is now."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -85,6 +116,7 @@ class CorpusReader:
         stream: BinaryIO,
         *,
         skip_bad: bool = False,
+        max_chars: int = DEFAULT_MAX_PASSAGE_CHARS,
         start_offset: int = 0,
         start_line: int = 0,
         start_row: int = 0,
@@ -92,6 +124,7 @@ class CorpusReader:
     ) -> None:
         self._stream = stream
         self._skip_bad = skip_bad
+        self._max_chars = max_chars
         self._hash = hashlib.sha256()
         self.offset = 0
         self.line_no = start_line
@@ -106,15 +139,15 @@ class CorpusReader:
             if not block:
                 raise RetrieverError(
                     f"cannot resume: the corpus is shorter ({n_bytes - left} bytes) than what the interrupted "
-                    f"build had read ({n_bytes} bytes); remove the partial build or pass --restart"
+                    f"build had read ({n_bytes} bytes); pass --restart to build it from the start"
                 )
             self._hash.update(block)
             left -= len(block)
         self.offset = n_bytes
         if expected is not None and self._hash.hexdigest() != expected:
             raise RetrieverError(
-                "cannot resume: the first bytes of the corpus differ from those the interrupted build read; "
-                "remove the partial build or pass --restart"
+                f"cannot resume: the first {n_bytes} bytes of the corpus differ from those the interrupted build "
+                "read (the corpus changed since); pass --restart to build it from the start"
             )
 
     def sha256(self) -> str:
@@ -129,7 +162,7 @@ class CorpusReader:
             if not raw.strip():
                 continue  # blank lines (a trailing newline, a separator) carry no passage
             try:
-                passage = parse_line(raw, self.line_no, self.row)
+                passage = parse_line(raw, self.line_no, self.row, self._max_chars)
             except RetrieverError as e:
                 if not self._skip_bad:
                     raise RetrieverError(f"{e} (pass --skip-bad to skip and count such lines)") from None

@@ -1,10 +1,12 @@
-"""The documents of an index directory: `id, contents` by integer row, without loading the corpus.
+"""The documents of an index directory: each corpus row (every field) by integer row, without loading the
+corpus.
 
-Two files: `docs.jsonl` (one `{"id", "contents"}` object a line, the index's row order) and
+Two files: `docs.jsonl` (one `{"id", "contents", ...}` object a line, the index's row order) and
 `docs.offsets.bin` (little-endian int64, the byte offset where each row starts). The writer appends
-both during a build and can be truncated back to a committed row count (a resumed build, build.py);
-the reader maps both and parses only the rows a search returns (server.py). 21M wiki-18 passages cost
-168 MB of offsets and no Python objects until they are asked for.
+both during a build and can be truncated back to a committed row count (a resumed build, ingest.py);
+the reader maps both, refuses a store whose files were cut short (the last row must start before the
+end of `docs.jsonl` and end with its newline), and parses only the rows a search returns (server.py).
+A passage costs 8 bytes of offsets and no Python object until it is asked for.
 """
 
 from __future__ import annotations
@@ -65,10 +67,18 @@ class DocStore:
         if not docs.exists() or not offsets.exists():
             raise RetrieverError(f"{directory}: missing {DOCS_FILE} or {OFFSETS_FILE}; not a complete index directory")
         self._size = docs.stat().st_size
+        offsets_bytes = offsets.stat().st_size
+        if offsets_bytes % _OFFSET.itemsize:
+            raise RetrieverError(f"{offsets}: {offsets_bytes} bytes, not a whole number of 8-byte offsets: the file is "
+                                 "truncated; rebuild the index")
+        n = offsets_bytes // _OFFSET.itemsize
+        self._offsets = np.memmap(offsets, dtype=_OFFSET, mode="r", shape=(n,)) if n else np.zeros(0, _OFFSET)
         self._file = open(docs, "rb")  # noqa: SIM115 - closed in close()
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self._size else b""
-        n = offsets.stat().st_size // _OFFSET.itemsize
-        self._offsets = np.memmap(offsets, dtype=_OFFSET, mode="r", shape=(n,)) if n else np.zeros(0, _OFFSET)
+        if n and (self._size <= int(self._offsets[-1]) or self._map[-1:] != b"\n"):  # every row ends in a newline
+            self.close()
+            raise RetrieverError(f"{docs}: {self._size} bytes, and its last row (from byte {int(self._offsets[-1])}, as "
+                                 f"{OFFSETS_FILE} says) is not all there: the file is truncated; rebuild the index")
 
     def __len__(self) -> int:
         return int(self._offsets.shape[0])
@@ -82,6 +92,6 @@ class DocStore:
         return [self.get(r) for r in rows]
 
     def close(self) -> None:
-        if isinstance(self._map, mmap.mmap):
+        if isinstance(self._map, mmap.mmap) and not self._map.closed:
             self._map.close()
         self._file.close()

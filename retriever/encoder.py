@@ -6,7 +6,7 @@ site-packages) into an `EncoderSpec` without importing torch and without touchin
 looked up in the local Hugging Face cache only. Pooling and prefixes follow the model's name (e5: mean,
 `query: ` / `passage: `; bge: CLS, the search instruction on queries) unless given explicitly.
 `DenseEncoder` imports torch and transformers when it is built, so BM25 serving never loads them.
-build.py encodes passages with it, searcher.py encodes queries; manifest.py records the spec.
+ingest.py encodes passages with it, searcher.py queries (batch-invariant); manifest.py records the spec.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import hashlib
 import importlib.util
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -192,9 +192,8 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 encoding is several
-    times faster than float32 (measured on two Xeon cores with AMX: MiniLM, ~140-token passages, 16 -> 101
-    passages/s; BENCHMARKS.md)."""
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16): then bf16 matrix products run on
+    the CPU's bf16 units, at several times float32's rate, which is why `auto` picks bf16 there."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -229,11 +228,23 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
 class DenseEncoder:
     """A transformers encoder: pooled, L2-normalised float32 embeddings, computed in `precision`
     (resolve_precision: fp16 on GPU, bf16 on CPUs with native bf16 matmul, else fp32; the embeddings of
-    the three agree to a cosine of ~0.9999). Data-parallel over all GPUs when there are several."""
+    the three agree to the lower precision's rounding). Data-parallel over all GPUs when there are several.
+
+    `batch_invariant=True` (the server's query encoder) makes a text's embedding independent of the texts
+    encoded with it. Reduced-precision kernels round differently for different shapes, and attention takes
+    another kernel when a batch needs no padding mask, so with padding to the longest text of a batch the
+    same query got other vectors beside other queries. Here every forward has the same number of rows
+    (`INVARIANT_ROWS`, filled with copies of a real row), each text is padded to a length that depends on
+    its own token count alone (the next multiple of `LENGTH_STEP`) and grouped with texts of that padded
+    length, and attention is the eager implementation, which applies the padding mask the same way whether
+    or not a batch has padding. A text is then always computed by one sequence of kernels on its own row."""
+
+    LENGTH_STEP = 8
+    INVARIANT_ROWS = {"cpu": 16, "gpu": 64}  # rows per forward: a lone query pays for them, so few on a CPU
 
     def __init__(
         self, spec: EncoderSpec, *, device: str | None = None, batch_size: int | None = None, threads: int | None = None,
-        precision: str = "auto",
+        precision: str = "auto", batch_invariant: bool = False,
     ) -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -247,7 +258,8 @@ class DenseEncoder:
         gpu = on_gpu(device)
         self.device = device or ("cuda" if gpu else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-        model = AutoModel.from_pretrained(spec.path, local_files_only=True)
+        attention = {"attn_implementation": "eager"} if batch_invariant else {}
+        model = AutoModel.from_pretrained(spec.path, local_files_only=True, **attention)
         self.dimension = int(model.config.hidden_size)
         self.max_length = min(spec.max_length, position_limit(model.config, self.tokenizer))
         self.precision = resolve_precision(precision, gpu)
@@ -255,32 +267,50 @@ class DenseEncoder:
         n_gpus = torch.cuda.device_count() if gpu else 1
         self.model = torch.nn.DataParallel(model) if n_gpus > 1 else model
         self.batch_size = batch_size or (256 * n_gpus if gpu else 64)
+        self.batch_invariant = batch_invariant
+        self.invariant_rows = self.INVARIANT_ROWS["gpu" if gpu else "cpu"] * n_gpus
 
     def encode(self, texts: list[str], kind: Kind, on_batch: Callable[[int], None] | None = None) -> np.ndarray:
-        """(n, dimension) float32, rows in the order of `texts`. Batches are formed longest-first by
-        characters, so each pads to similar lengths (fewer wasted FLOPs than corpus order)."""
+        """(n, dimension) float32, rows in the order of `texts`."""
         import numpy as np
 
-        torch = self._torch
         prefix = self.spec.prefix(kind)
         prefixed = [prefix + t for t in texts]
-        order = np.argsort([-len(t) for t in prefixed], kind="stable")
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
-        for start in range(0, len(prefixed), self.batch_size):
-            idx = order[start : start + self.batch_size]
+        for idx, length, rows in self._batches(prefixed):
             batch = self.tokenizer(
-                [prefixed[i] for i in idx],
-                padding=True,
+                [prefixed[i] for i in idx] + [prefixed[idx[0]]] * (rows - len(idx)),
+                padding="max_length" if length else True,
                 truncation=True,
-                max_length=self.max_length,
+                max_length=length or self.max_length,
                 return_tensors="pt",
             ).to(self.device)
-            with torch.inference_mode():
+            with self._torch.inference_mode():
                 hidden = self.model(**batch).last_hidden_state.float()
-                out[idx] = pool(hidden, batch["attention_mask"], self.spec.pooling).cpu().numpy()
+                out[idx] = pool(hidden, batch["attention_mask"], self.spec.pooling)[: len(idx)].cpu().numpy()
             if on_batch is not None:
                 on_batch(len(idx))
         return out
+
+    def _batches(self, texts: list[str]) -> Iterator[tuple[np.ndarray, int | None, int]]:
+        """(indices of texts, the length to pad them to or None for the longest, rows of the forward).
+        By default batches are formed longest-first by characters, so each pads to similar lengths (fewer
+        wasted FLOPs than corpus order). Batch-invariant: grouped by padded token length, fixed rows."""
+        import numpy as np
+
+        if not self.batch_invariant:
+            order = np.argsort([-len(t) for t in texts], kind="stable")
+            for start in range(0, len(texts), self.batch_size):
+                idx = order[start : start + self.batch_size]
+                yield idx, None, len(idx)
+            return
+        step, rows = self.LENGTH_STEP, self.invariant_rows
+        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]]
+        padded = np.array([min(self.max_length, -(-n // step) * step) for n in lengths], dtype=np.int64)
+        for length in np.unique(padded):
+            group = np.flatnonzero(padded == length)
+            for start in range(0, len(group), rows):
+                yield group[start : start + rows], int(length), rows
 
 
 def pool(hidden_BTD, mask_BT, pooling: str):

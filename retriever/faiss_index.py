@@ -24,17 +24,18 @@ import faiss
 import numpy as np
 
 from retriever.errors import RetrieverError
+from retriever.ranking import best_first, exact_scores
 
 INDEX_FILE = "index.faiss"
 MIN_POINTS_PER_CENTROID = 39  # below this faiss's k-means warns and the clusters are poor
 PQ_POINTS_PER_CENTROID = 10  # PQ sub-spaces have few dims: 10 points per code word train them well enough
 GPU_PQ_SIZES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
+RESCORE_MARGIN = 16  # candidates asked for beyond k, re-scored exactly before the k best are kept
 
 
 # Exhaustive (Flat) search of this many queries or more goes through one BLAS matrix product instead of a
-# SIMD scan per query. faiss 1.15's default is 128,000, i.e. a batch is scanned query by query; measured on
-# 100k x 384 vectors and two cores (BENCHMARKS.md): the scan wins for 1-2 queries, BLAS from 4 on (2-3x at
-# 16-128), which is what dynamic batching hands it.
+# SIMD scan per query. faiss's own default (128,000) would scan a dynamic batch query by query, though one
+# pass over the vectors for all of them costs less from a few queries on; a query or two scan faster.
 BLAS_THRESHOLD = 4
 
 
@@ -184,10 +185,16 @@ class FaissSearch:
         if mmap:
             mapped = faiss.IO_FLAG_MMAP if index_type == "ivfpq" else faiss.IO_FLAG_MMAP_IFC
             flags = mapped | faiss.IO_FLAG_READ_ONLY
-        index = faiss.read_index(str(path), flags)
+        try:
+            index = faiss.read_index(str(path), flags)
+        except RuntimeError as e:  # faiss's message is a C++ location and a failed check: keep the check
+            why = str(e).strip().splitlines()[-1].split("failed: ")[-1]
+            raise RetrieverError(f"{path}: faiss cannot read it ({why}): the file is truncated or corrupt; "
+                                 "rebuild the index") from None
         faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD  # process-wide; see BLAS_THRESHOLD
         self.dimension = int(index.d)
         self.size = int(index.ntotal)
+        self._stored = index  # the CPU index, whose vectors re-score the candidates (on GPU too)
         index, self.on_gpu = _onto_gpus(index, index_type, use_gpu)
         space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
         if index_type == "ivfpq":
@@ -197,10 +204,83 @@ class FaissSearch:
         self._index = index
         self._ef_search = int(params.get("ef_search", 0))
         self._hnsw = index_type == "hnsw"
+        # IVF-PQ keeps codes, not vectors: its own scores are ordered. On the CPU the lists it probes are
+        # chosen by an exact search of its quantizer (a Flat index of centroids), as a Flat index is searched.
+        self._rescore = index_type != "ivfpq"
+        self._quantizer = faiss.downcast_index(index.quantizer) if index_type == "ivfpq" and not self.on_gpu else None
+        if self._quantizer is not None:
+            self._nprobe = int(params["nprobe"])
+            centroids = self._quantizer.reconstruct_n(0, self._quantizer.ntotal)
+            self._centroid_norm = float(np.linalg.norm(centroids, axis=1).max())
+        # A Flat index on the CPU is exact: its float32 scores are within an error bound of the exact ones, so
+        # the answer can be proved complete (see rescored_search). On GPUs the vectors are held in fp16.
+        self._exact = index_type == "flat" and not self.on_gpu
 
-    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        k = min(k, self.size)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
+    def _faiss_search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self._hnsw and k > self._ef_search:  # HNSW returns at most efSearch results
             return self._index.search(x, k, params=faiss.SearchParametersHNSW(efSearch=k))
         return self._index.search(x, k)
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of each query's k best passages, best first, equal scores by row; rows -1 past the
+        hits; each query's answer the same whatever the batch (see rescored_search)."""
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        norm = float(np.linalg.norm(x, axis=1).max(initial=0.0))
+        if self._quantizer is None:
+            return rescored_search(lambda todo, n: self._faiss_search(x[todo], n), self._stored if self._rescore else None,
+                                   x, k, self.size, float_error(self.dimension, norm) if self._exact else None)
+        probe_scores, probes = rescored_search(
+            lambda todo, n: self._quantizer.search(x[todo], n), self._quantizer, x, self._nprobe, self._quantizer.ntotal,
+            float_error(self.dimension, norm * self._centroid_norm),
+        )  # fmt: skip
+
+        def preassigned(todo: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+            return self._index.search_preassigned(x[todo], n, probes[todo], probe_scores[todo])
+
+        return rescored_search(preassigned, None, x, k, self.size, None)
+
+
+def float_error(dimension: int, norms: float) -> float:
+    """A bound on how far faiss's float32 inner product of two vectors (the product of whose norms is
+    `norms`) can be from the exact one: d roundings of 2^-24 each, doubled for safety."""
+    return 2 * dimension * 2.0**-24 * norms
+
+
+def rescored_search(
+    search: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    stored: faiss.Index | None,
+    x: np.ndarray,
+    k: int,
+    size: int,
+    error: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of the k best of each query in `x`, best first, equal scores by row, rows -1 past the
+    hits, computed so that a query's answer does not depend on the others: `search(queries, n)` (the
+    positions of queries in `x`) is asked for RESCORE_MARGIN more candidates than k, which are re-scored
+    exactly from `stored`'s vectors (ranking.py), or ordered by their own scores where `stored` is None.
+    With `error`, the bound on the search's own scores (an exact index), a query is searched again with 4x
+    the candidates while one outside them could still tie or beat its k-th: the last candidate's score
+    plus the error must stay below the k-th exact score."""
+    k = min(k, size)
+    out_scores = np.zeros((len(x), k), dtype=np.float32)
+    out_rows = np.full((len(x), k), -1, dtype=np.int64)
+    todo, wanted = np.arange(len(x)), min(size, k + RESCORE_MARGIN)
+    while todo.size:
+        scores, rows = search(todo, wanted)
+        if stored is not None:
+            found = np.maximum(rows, 0)
+            vectors = stored.reconstruct_batch(found.ravel()).reshape(*found.shape, x.shape[1])
+            exact = np.where(rows >= 0, exact_scores(x[todo], vectors), -np.inf)
+        else:
+            exact = np.where(rows >= 0, scores.astype(np.float64), -np.inf)
+        again = []
+        for j, query in enumerate(todo):
+            order = best_first(exact[j], rows[j])[:k]
+            order = order[rows[j][order] >= 0]
+            complete = error is None or wanted == size or len(order) < k or rows[j, -1] < 0
+            if not complete and scores[j, -1] + error >= exact[j, order[-1]]:
+                again.append(query)
+                continue
+            out_scores[query, : len(order)], out_rows[query, : len(order)] = exact[j, order], rows[j, order]
+        todo, wanted = np.array(again, dtype=np.int64), min(size, wanted * 4)
+    return out_scores, out_rows

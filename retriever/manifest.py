@@ -1,7 +1,8 @@
 """`manifest.json`: what an index directory holds, written last by build.py and checked by searcher.py.
 
 It names the index type and its parameters, the encoder (name, fingerprint, pooling, prefixes, max length,
-dimension) or the BM25 tokenizer, the corpus (rows, bytes, sha256, skipped lines) and the format version.
+dimension) or the BM25 tokenizer, the corpus (rows, bytes, sha256; skipped lines, passages cut to the size cap,
+empty contents and duplicate ids) and the format version.
 A server refuses to start on a directory whose manifest does not match what it would search with.
 """
 
@@ -41,7 +42,11 @@ class CorpusInfo(_Strict):
     rows: int
     bytes: int
     sha256: str
-    skipped_lines: int = 0
+    skipped_lines: int = 0  # bad lines skipped under --skip-bad
+    max_passage_chars: int | None = None  # the per-field size cap (None: an index built before there was one)
+    truncated: int = 0  # passages with a string field cut to the cap
+    empty_contents: int = 0  # passages whose `contents` is empty or blank (indexed, and counted)
+    duplicate_ids: int = 0  # passages whose id an earlier passage already has
 
 
 class Bm25Info(_Strict):

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from retriever.build import EMBEDDINGS_DIR, partial_dir, publish, sample_rows, shard_reader, shard_sampler
+from retriever.build import partial_dir, publish
 from retriever.docstore import DOCS_FILE, OFFSETS_FILE
 from retriever.errors import RetrieverError
+from retriever.ingest import EMBEDDINGS_DIR, sample_rows, shard_reader, shard_sampler
 from retriever.manifest import DENSE_TYPES, Manifest, read_manifest, write_manifest
 
 _CHUNK = 65536
@@ -35,8 +36,7 @@ def _vector_source(src: Path, manifest: Manifest):
     embeddings = src / EMBEDDINGS_DIR
     if embeddings.is_dir():
         n_shards = len(list(embeddings.glob("*.npy")))
-        shard_size = int(np.load(embeddings / "00000.npy", mmap_mode="r").shape[0])
-        return shard_reader(embeddings, n_shards), shard_sampler(embeddings, n_shards, shard_size, n)
+        return shard_reader(embeddings, n_shards), shard_sampler(embeddings, n_shards, n)
     if manifest.index_type != "flat":
         raise RetrieverError(
             f"{src} is a {manifest.index_type} index without kept embeddings: its vectors cannot be read back. "

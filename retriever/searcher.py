@@ -4,7 +4,9 @@
 BM25 index and, for a dense index, the encoder the manifest names (or a relocated copy given with
 `--encoder`, which must be the same model: same fingerprint and dimension). Any mismatch (another encoder,
 another dimension, a docs store or index of another size) is a RetrieverError at start-up, never garbage
-results. The result's `search(queries, k)` is what batching.py calls: one encoder forward, one index search.
+results. The result's `search(queries, k)` is what batching.py calls: one encoder pass, one index search,
+each computed so that a query's answer does not depend on the queries batched with it (the encoder's
+`batch_invariant` mode, ranking.py).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def open_index(
                 f"the manifest says {manifest.corpus.rows} of {manifest.dimension}"
             )
         spec = _check_encoder(manifest, directory, encoder)
-        dense_encoder = DenseEncoder(spec, device=device, threads=threads, precision=precision)
+        dense_encoder = DenseEncoder(spec, device=device, threads=threads, precision=precision, batch_invariant=True)
         if dense_encoder.dimension != manifest.dimension:
             raise RetrieverError(f"encoder {spec.name!r} produces {dense_encoder.dimension} dims, the index holds {manifest.dimension}")
         return OpenIndex(directory, manifest, DenseIndex(dense_encoder, faiss_search), docs, spec.name)

@@ -1,11 +1,14 @@
 """The HTTP service: `POST /retrieve` with Search-R1's schema and `GET /health`.
 
 Request `{"queries": [...], "topk": k, "return_scores": bool}`. Response `{"result": [...]}`, one list per
-query, best first: `{"document": {"id", "contents"}, "score"}` items with `return_scores`, the bare
-documents without (what Search-R1's server meant to return; its own fails on `return_scores=false`).
-`topk` defaults to 3 (Search-R1's training setting). Bad input is answered at the boundary: a body over
-the size limit or too many queries -> 413; `topk` outside 1..1000, an over-long query or a malformed body
--> 422; no queries -> an empty result. Requests go through batching.py; the index was opened and checked
+query, best first: `{"document": {"id", "contents", ...}, "score"}` items with `return_scores` (the
+document is the corpus row, every field of it), the bare documents without (what Search-R1's server
+meant to return; its own fails on `return_scores=false`).
+`topk` missing, null or 0 means the server's default (3, Search-R1's training setting), as Search-R1's
+server reads it. Bad input is answered at the boundary: a body over the size limit or too many queries ->
+413; a negative `topk` or one over 1000, an over-long query or a malformed body -> 422; no queries -> an
+empty result. `GET /health` states the limits, so a client can split its requests to fit
+(agentrl/tools/search.py does). Requests go through batching.py; the index was opened and checked
 by searcher.py before the app exists. cli.py runs it under uvicorn.
 """
 
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
@@ -21,21 +23,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from retriever.batching import DynamicBatcher
 from retriever.searcher import OpenIndex
+from retriever.server_settings import ServerSettings
 
 INLINE_RESULTS = 1024  # answers of up to this many documents are serialised on the event loop
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    default_topk: int = 3
-    max_topk: int = 1000
-    max_queries: int = 1024
-    max_results: int = 65536  # queries x topk in one request: bounds the answer built for it
-    max_query_chars: int = 4096
-    max_body_bytes: int = 4 << 20
-    dynamic_batching: bool = True
-    max_batch_queries: int = 256
-    max_wait_ms: float = 2.0
 
 
 class RetrieveRequest(BaseModel):
@@ -84,11 +74,12 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
         await batcher.stop()
 
     app = FastAPI(title="agentrl retriever", lifespan=lifespan)
+    limits = settings.limits()
     app.state.batcher = batcher
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", **opened.describe(), "batching": batcher.describe()}
+        return {"status": "ok", **opened.describe(), "limits": limits, "batching": batcher.describe()}
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
@@ -97,9 +88,9 @@ def create_app(opened: OpenIndex, settings: ServerSettings = ServerSettings()) -
             req = RetrieveRequest.model_validate_json(body)
         except ValidationError as e:
             return _unprocessable(e.errors(include_url=False, include_context=False, include_input=False))
-        topk = settings.default_topk if req.topk is None else req.topk
+        topk = req.topk or settings.default_topk  # null and 0 mean the default, as in Search-R1's server
         if not 1 <= topk <= settings.max_topk:
-            return _unprocessable(f"topk must be between 1 and {settings.max_topk}, got {topk}")
+            return _unprocessable(f"topk must be between 1 and {settings.max_topk} (0 or null: the default), got {topk}")
         if len(req.queries) > settings.max_queries:
             raise HTTPException(413, f"{len(req.queries)} queries in one request; the limit is {settings.max_queries}")
         if len(req.queries) * topk > settings.max_results:

@@ -22,6 +22,7 @@ from retriever.reindex import reindex
 from tests.test_retriever_support import (
     HAND_CORPUS,
     REPO,
+    Killed,
     build_index,
     make_tiny_encoder,
     synthetic_corpus_file,
@@ -108,10 +109,6 @@ def test_existing_output_needs_overwrite(tmp_path):
         build_index(corpus, tmp_path / "idx", "bm25")
     write_jsonl(corpus, HAND_CORPUS[:3])
     assert build_index(corpus, tmp_path / "idx", "bm25", overwrite=True).corpus.rows == 3
-
-
-class Killed(BaseException):
-    """Stands for SIGKILL at one point of the build (BaseException: nothing in the build may catch it)."""
 
 
 @pytest.mark.parametrize("point", ["after dropping the shards", "after dropping the state", "with the old index aside"])
@@ -210,7 +207,8 @@ def test_resume_refuses_other_settings_until_restart(tmp_path):
     out = tmp_path / "idx"
     work = partial_dir(out)
     work.mkdir()
-    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "stopwords": "en", "shard_size": 99}, "rows": 0}))
+    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "stopwords": "en", "shard_size": 99,
+                                                                "max_passage_chars": 16384}, "rows": 0}))
     with pytest.raises(RetrieverError, match=r"other settings \(shard_size: 99 -> 16384\).*--restart"):
         build_index(corpus, out, "bm25")
     assert build_index(corpus, out, "bm25", restart=True).corpus.rows == len(HAND_CORPUS)
@@ -220,11 +218,12 @@ def test_resume_refuses_a_changed_corpus(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
     out = tmp_path / "idx"
     first = (json.dumps(HAND_CORPUS[0]) + "\n").encode()
-    state = {"params": {"kind": "bm25", "stopwords": "en", "shard_size": 16384}, "corpus_offset": len(first),
+    state = {"params": {"kind": "bm25", "stopwords": "en", "shard_size": 16384, "max_passage_chars": 16384},
+             "corpus_offset": len(first),
              "corpus_line": 1, "corpus_row": 1, "prefix_sha256": hashlib.sha256(b"x" * len(first)).hexdigest()}  # fmt: skip
     partial_dir(out).mkdir()
     (partial_dir(out) / STATE_FILE).write_text(json.dumps(state))
-    with pytest.raises(RetrieverError, match="first bytes of the corpus differ"):
+    with pytest.raises(RetrieverError, match=r"first \d+ bytes of the corpus differ.*pass --restart"):
         build_index(corpus, out, "bm25")
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from agentrl.tools import Tool
 from agentrl.tools.code import CodeTool
-from agentrl.tools.search import SearchTool, format_passages, retrieve_url
+from agentrl.tools.search import SearchTool, format_passages, retrieve_url, split_queries
 from agentrl.types import ToolCall
 from tests.test_retriever_support import build_index, free_port, serve_index, serving, write_jsonl
 
@@ -64,6 +64,76 @@ def test_batch_sends_one_request_for_many_queries(server):
     assert germany.text == "Doc 1(Title: \"Berlin\") Berlin is the capital of Germany."
     assert cheese.text == "Doc 1(Title: \"Cheese\") France makes many cheeses.\nSome are blue."
     assert zebra.ok and zebra.text == "No results."
+
+
+def test_batch_is_split_to_the_server_s_limits(tmp_path):
+    """A server that takes 2 queries, or 3 results, a request: the tool reads that from /health and sends
+    the batch in parts, whose results come back in the batch's order."""
+    build_index(write_jsonl(tmp_path / "c.jsonl", CORPUS), tmp_path / "idx", "bm25")
+    queries = ["Germany", "blue cheeses", "zebra", "capital of France", "Berlin"]
+
+    async def go(url: str, topk: int):
+        tool = SearchTool(url, topk=topk)
+        try:
+            return [await tool.call(ToolCall("search", {"query": q})) for q in queries], await tool.batch(queries)
+        finally:
+            await tool.aclose()
+
+    for topk, requests in ((1, 3), (2, 5)):  # 2 queries a request at topk 1; at topk 2, 3 results hold 1 query
+        with serve_index(tmp_path / "idx", max_queries=2, max_results=3) as url:
+            alone, batched = _run(go(url, topk))
+            served = httpx.get(f"{url}/health").json()["batching"]["requests"]
+        assert all(r.ok for r in batched)
+        assert [r.text for r in batched] == [r.text for r in alone]
+        assert served == len(queries) + requests
+
+
+def test_split_queries_fits_each_limit():
+    queries = ["a" * 10, "b" * 10, "c" * 10, "d"]
+    assert split_queries(queries, 3, {}) == [queries]
+    assert split_queries(queries, 3, {"max_queries": 3}) == [queries[:3], queries[3:]]
+    assert split_queries(queries, 3, {"max_results": 7}) == [queries[:2], queries[2:]]
+    envelope = len('{"queries": [], "topk": 3, "return_scores": true}')
+    assert split_queries(queries, 3, {"max_body_bytes": envelope + 2 * 14}) == [queries[:2], queries[2:]]
+    assert split_queries(["x" * 100], 3, {"max_body_bytes": 10}) == [["x" * 100]]  # the server says why
+
+
+def _limited_app(stated: dict, enforced: int) -> FastAPI:
+    """States `stated` limits in /health but answers 413 beyond `enforced` queries, until a 413 has been
+    sent: then it states the real limit (a server restarted with a smaller --max-queries)."""
+    app = FastAPI()
+    app.state.sizes = []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "limits": stated}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        queries = (await request.json())["queries"]
+        app.state.sizes.append(len(queries))
+        if len(queries) > enforced:
+            stated["max_queries"] = enforced
+            return JSONResponse(status_code=413, content={"detail": f"the limit is {enforced}"})
+        return {"result": [[{"document": {"id": q, "contents": f'"{q}"\ntext'}, "score": 1.0}] for q in queries]}
+
+    return app
+
+
+def test_limits_are_read_again_after_a_413():
+    app = _limited_app({"max_queries": 10}, enforced=2)
+
+    async def go(url: str):
+        tool = SearchTool(url, topk=1)
+        try:
+            return await tool.batch(["q1", "q2", "q3", "q4", "q5"])
+        finally:
+            await tool.aclose()
+
+    with serving(app) as url:
+        results = _run(go(url))
+    assert [r.text for r in results] == [f'Doc 1(Title: "q{i}") text' for i in range(1, 6)]
+    assert app.state.sizes[0] == 5 and sorted(app.state.sizes[1:]) == [1, 2, 2]
 
 
 def test_is_a_tool():

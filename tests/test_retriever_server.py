@@ -51,10 +51,15 @@ def lucene_bm25(query: str, docs: list[str], k1: float = 0.9, b: float = 0.4) ->
 
 
 @pytest.fixture(scope="module")
-def bm25_url(tmp_path_factory):
+def bm25_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("bm25")
     build_index(write_jsonl(root / "c.jsonl", BM25_CORPUS), root / "idx", "bm25")
-    with serve_index(root / "idx", max_queries=5, max_results=12, max_query_chars=50, max_body_bytes=2000) as url:
+    return root / "idx"
+
+
+@pytest.fixture(scope="module")
+def bm25_url(bm25_dir):
+    with serve_index(bm25_dir, max_queries=5, max_results=12, max_query_chars=50, max_body_bytes=2000) as url:
         yield url
 
 
@@ -81,16 +86,28 @@ def test_return_scores_false_returns_bare_documents(bm25_url):
     assert result == {"result": [[BM25_CORPUS[0]]]}
 
 
-def test_default_topk_is_three(bm25_url):
-    result = httpx.post(f"{bm25_url}/retrieve", json={"queries": ["capital"]}).json()["result"]
-    assert len(result[0]) == 3
+@pytest.mark.parametrize("topk", ["absent", None, 0])
+def test_default_topk_is_three_when_topk_is_absent_null_or_zero(bm25_url, topk):
+    """Search-R1's server reads `not topk` as "use the default": null and 0 alike."""
+    body = {"queries": ["capital"], "return_scores": True} | ({} if topk == "absent" else {"topk": topk})
+    hits = httpx.post(f"{bm25_url}/retrieve", json=body).json()["result"][0]
+    assert [h["document"]["id"] for h in hits] == ["a", "b", "d"]  # the three passages with "capital"
+
+
+def test_the_default_limits_take_search_r1_s_grpo_batch(bm25_dir):
+    """Search-R1's GRPO recipe: 512 prompts x 5 samples = 2,560 queries in one request, at topk 3."""
+    queries = ["capital france", "wine", "sushi capital", "zebra", "berlin"] * 512
+    with serve_index(bm25_dir) as url:
+        alone = {q: httpx.post(f"{url}/retrieve", json={"queries": [q]}).json()["result"][0] for q in set(queries)}
+        response = httpx.post(f"{url}/retrieve", json={"queries": queries, "topk": 3}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["result"] == [alone[q] for q in queries]
 
 
 @pytest.mark.parametrize(
     ("body", "status"),
     [
         ({"queries": [], "topk": 3}, 200),
-        ({"queries": ["x"], "topk": 0}, 422),
         ({"queries": ["x"], "topk": -1}, 422),
         ({"queries": ["x"], "topk": 1001}, 422),
         ({"queries": "capital", "topk": 3}, 422),
@@ -116,9 +133,11 @@ def test_malformed_json_and_streamed_oversized_body(bm25_url):
     assert httpx.post(f"{bm25_url}/retrieve", content=chunks).status_code == 413
 
 
-def test_health_reports_size_and_encoder(bm25_url):
+def test_health_reports_size_encoder_and_limits(bm25_url):
     health = httpx.get(f"{bm25_url}/health").json()
     assert (health["status"], health["index_type"], health["size"], health["encoder"]) == ("ok", "bm25", 5, "bm25")
+    assert health["limits"] == {"default_topk": 3, "max_topk": 1000, "max_queries": 5, "max_results": 12,
+                                "max_query_chars": 50, "max_body_bytes": 2000}
 
 
 async def _fire(url: str, queries: list[str], topk: int) -> list[list[dict]]:

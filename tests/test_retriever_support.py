@@ -179,7 +179,12 @@ def build_index(corpus: Path, out: Path, index_type: str = "flat", **kwargs):
 
     kwargs.setdefault("threads", THREADS)
     kwargs.setdefault("precision", "float32")  # exact references; bf16 has its own test
-    return build(BuildConfig(corpus=corpus, out=out, index_type=index_type, progress=False, **kwargs))
+    kwargs.setdefault("progress", False)
+    return build(BuildConfig(corpus=corpus, out=out, index_type=index_type, **kwargs))
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at one point of a build (BaseException: nothing in the build may catch it)."""
 
 
 def make_tiny_encoder(tmp_path_factory) -> Path:

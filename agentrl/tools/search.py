@@ -3,16 +3,26 @@
 `SearchTool.call(ToolCall("search", {"query": ...}))` posts `{"queries": [q], "topk": k, "return_scores":
 true}` to `/retrieve` (true because Search-R1's server fails without it) and formats the passages the way
 Search-R1's rollout does, one per line: `Doc {i}(Title: {title}) {text}`, the title being the first line
-of `contents` as it is (wiki-18 writes it in quotes, and Search-R1's models saw the quotes). Either item shape is read: `{"document": {...}, "score"}` or a bare
-document. `batch()` sends many queries in one request. Failures never raise (DESIGN.md invariant 4): a
-timeout, a 5xx or a refused connection is retried a bounded number of times with exponential backoff,
-then becomes a ToolResult whose `error` is "timeout", "http_503", "connection", ... and whose text tells
-the model the search failed. The rollout renders the text inside `<information>` (tools/formats.py).
+of `contents` as it is (wiki-18 writes it in quotes, and Search-R1's models saw the quotes). Either item
+shape is read: `{"document": {...}, "score"}` or a bare document.
+
+`batch()` sends many queries in one request, or in several when they exceed what the server takes in one:
+the tool reads the server's limits from `GET /health` (`limits`: queries, queries x topk and body bytes
+per request) before its first batch of several queries, splits to fit, sends the parts at once and returns the results in
+order. A server that states no limits (Search-R1's has no `/health`) gets one request. A 413 answer
+means the limits changed (the server restarted with others): they are read again and the batch is split
+anew, once.
+
+Failures never raise out of `call` or `batch`, since a rollout must go on when a tool fails: a timeout, a
+5xx or a refused connection is retried a bounded number of times with exponential backoff, then becomes
+a ToolResult whose `error` is "timeout", "http_503", "connection", ... and whose text tells the model the
+search failed. The rollout renders the text inside `<information>` (tools/formats.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +70,31 @@ def retrieve_url(url: str) -> str:
     return url.rstrip("/") + "/retrieve" if urlsplit(url).path in ("", "/") else url
 
 
+def health_url(url: str) -> str:
+    """The /health endpoint beside a /retrieve endpoint."""
+    return url.rsplit("/", 1)[0] + "/health"
+
+
+def split_queries(queries: list[str], topk: int, limits: dict[str, int]) -> list[list[str]]:
+    """`queries` cut, in order, into runs that each fit the server's `limits` (those it states: the most
+    queries, queries x topk and body bytes in one request)."""
+    most = limits.get("max_queries") or len(queries)
+    if limits.get("max_results"):
+        most = min(most, max(1, limits["max_results"] // max(topk, 1)))
+    budget = limits.get("max_body_bytes") or 0
+    envelope = len(json.dumps({"queries": [], "topk": topk, "return_scores": True}))
+    chunks: list[list[str]] = [[]]
+    size = envelope
+    for query in queries:
+        cost = len(json.dumps(query).encode()) + 2  # the query and its ", " separator
+        if chunks[-1] and (len(chunks[-1]) == most or (budget and size + cost > budget)):
+            chunks.append([])
+            size = envelope
+        chunks[-1].append(query)
+        size += cost
+    return chunks
+
+
 class SearchTool:
     name = "search"
 
@@ -81,6 +116,7 @@ class SearchTool:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
         self._owns_client = client is None  # a lent client is its owner's to close
+        self._limits: dict[str, int] | None = None  # the server's, from /health; None until read
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -93,9 +129,50 @@ class SearchTool:
         return (await self.batch([query]))[0]
 
     async def batch(self, queries: list[str]) -> list[ToolResult]:
-        """One request for all `queries`; one ToolResult each (all failed alike if the request fails)."""
+        """One ToolResult per query, in order: one request, or several at once where the queries exceed
+        the server's limits (all the queries of a failed request fail alike)."""
         if not queries:
             return []
+        if len(queries) == 1:  # one query is never split: `call` costs one request, as before
+            return await self._request(queries)
+        limits = await self.server_limits()
+        results = await self._send_split(queries, limits)
+        if any(r.error == "http_413" for r in results):  # the server's limits changed: read them again
+            self._limits = None
+            fresh = await self.server_limits()
+            if fresh != limits:
+                results = await self._send_split(queries, fresh)
+        return results
+
+    async def server_limits(self) -> dict[str, int]:
+        """The request limits the server states in `GET /health` (read once, then kept); {} for a server
+        that states none. Not kept when /health cannot be reached: the next batch asks again."""
+        if self._limits is not None:
+            return self._limits
+        try:
+            response = await self._client.get(health_url(self.url))
+        except httpx.HTTPError:
+            return {}
+        limits = {}
+        if response.status_code == 200:
+            try:
+                stated = response.json().get("limits")
+            except (ValueError, AttributeError):
+                stated = None
+            if isinstance(stated, dict):
+                limits = {k: v for k, v in stated.items() if isinstance(v, int) and v > 0}
+        self._limits = limits
+        return limits
+
+    async def _send_split(self, queries: list[str], limits: dict[str, int]) -> list[ToolResult]:
+        chunks = split_queries(queries, self.topk, limits)
+        if len(chunks) == 1:
+            return await self._request(queries)
+        parts = await asyncio.gather(*(self._request(chunk) for chunk in chunks))
+        return [result for part in parts for result in part]
+
+    async def _request(self, queries: list[str]) -> list[ToolResult]:
+        """One request for all `queries`; one ToolResult each (all failed alike if the request fails)."""
         started = time.monotonic()
         payload = {"queries": queries, "topk": self.topk, "return_scores": True}
         error, detail, attempts, body = None, "", 0, None
