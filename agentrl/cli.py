@@ -190,6 +190,23 @@ def train(
     typer.echo(f"run dir: {run_dir.root}")
 
 
+@app.command("sft")
+def sft(
+    config: Annotated[Path, typer.Argument(help="An SFT config: data, model, learner, trainer.")],
+    overrides: SetOption = None,
+) -> None:
+    """Supervised fine-tuning on trajectories (trainer dumps or chat messages), masked like RL."""
+    from agentrl.config import ConfigError, load_model
+    from agentrl.sft import SFTConfig
+    from agentrl.sft import sft as run_sft
+
+    try:
+        run_dir = run_sft(load_model(SFTConfig, config, overrides or []))
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"run dir: {run_dir.root}")
+
+
 def main() -> None:
     app()
 
