@@ -152,3 +152,21 @@ def test_value_loss_matches_loop(clip: float | None) -> None:
         clipped = (oi + min(max(vi - oi, -clip), clip) - ri) ** 2 if clip is not None else unclipped
         expected.append(0.5 * max(unclipped, clipped))
     assert loss.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_gspo_ratio_is_the_sequences_and_the_gradient_each_tokens() -> None:
+    from agentrl.algo.loss import gspo_logprobs
+
+    # sequence 0: two sampled tokens with log-ratios +0.5 and -0.5 (geometric mean 1); sequence 1: one sampled
+    # token with log-ratio +0.5, and a prompt/tool position (mask 0) whose ratio must not count
+    logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old = torch.tensor([-1.5, -1.5, -1.0, 0.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    seq = torch.tensor([0, 0, 1, 1])
+    out = gspo_logprobs(logprobs, old, mask, seq, 2)
+    ratio = torch.exp(out - old)
+    assert torch.allclose(ratio, torch.tensor([1.0, 1.0, math.exp(0.5), math.exp(0.5)]))
+    (ratio * mask).sum().backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([1.0, 1.0, math.exp(0.5), 0.0]))  # s_i x each token's own
+    loss, clipped = ppo_clip_loss(out.detach(), old, torch.ones(4), clip_low=3e-4, clip_high=4e-4)
+    assert clipped.tolist() == [0.0, 0.0, 1.0, 1.0]  # clipped by the sequence's ratio, not the token's

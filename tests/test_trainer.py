@@ -248,6 +248,8 @@ QUICK = ("trainer.steps=1", "trainer.eval_every=0", "trainer.export=false", "tra
     (("algo.advantage=reinforce_pp", "algo.kl.coef=0.01", "algo.kl.use=reward"), "actor/ref_kl"),
     (("algo.kl.coef=0.01", "algo.kl.use=loss"), "actor/kl_loss"),
     (("algo.tis_cap=2.0",), "actor/tis_weight"),
+    (("algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_mean", "algo.clip_low=0.0003",
+      "algo.clip_high=0.0004"), "actor/clip_frac"),
     (("algo.overlong.buffer_tokens=8",), "reward/shaped_mean"),
 ])
 def test_each_algorithm_option_trains_a_step(tmp_path, sets, expected):

@@ -59,6 +59,10 @@ class AlgoConfig(StrictModel):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
     whiten_advantages: bool = True  # gae: normalise advantages over the batch's sampled tokens
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo", description="ppo: per-token importance ratios; gspo: each sequence's (the geometric mean of its "
+        "tokens' ratios), clipped per sequence (pair it with loss_agg=seq_mean_token_mean and small clips)"
+    )
     loss_agg: LossAgg = "token_mean"
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="seq_mean_token_sum_norm's constant (Dr.GRPO: the response budget); "

@@ -1,4 +1,5 @@
-"""Per-token losses and how they are aggregated: PPO clip (asymmetric, dual), KL, entropy, value, TIS.
+"""Per-token losses and how they are aggregated: PPO clip (asymmetric, dual), GSPO's sequence ratio, KL,
+entropy, value, TIS.
 
 Every function is elementwise over tokens (any shape) except the aggregation, which needs to know which
 sequence a token belongs to. Aggregation is expressed as per-token weights (`aggregation_weights`) so that
@@ -42,6 +43,19 @@ def ppo_clip_loss(
         loss = torch.where(dual, bound, loss)
         was_clipped = was_clipped | dual
     return loss, was_clipped.to(logprobs.dtype)
+
+
+def gspo_logprobs(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
+    """GSPO (Zheng et al. 2025), token form: per-token logprobs whose ratio to `old_logprobs` is the
+    sequence's, s_i = exp(mean over its sampled tokens of (logprobs - old_logprobs)), on every token of the
+    sequence, while each token's gradient stays its own (s_i times the gradient of its logprob). Feed the
+    result to `ppo_clip_loss` in place of `logprobs`: the clip then acts on s_i (GSPO's clip ranges are
+    small, e.g. 3e-4 / 4e-4). `seq_index` gives each token's sequence (0..num_seqs-1); `mask` its weight."""
+    log_ratio = (logprobs - old_logprobs).detach() * mask
+    sums = torch.zeros(num_seqs, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, seq_index, log_ratio)
+    counts = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, seq_index, mask)
+    seq_log_ratio = (sums / counts.clamp(min=1e-12))[seq_index]
+    return old_logprobs + seq_log_ratio + (logprobs - logprobs.detach())
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from agentrl.algo import AlgoConfig
-from agentrl.algo.loss import kl_penalty, masked_sum, ppo_clip_loss, truncated_is_weights
+from agentrl.algo.loss import gspo_logprobs, kl_penalty, masked_sum, ppo_clip_loss, truncated_is_weights
 from agentrl.learner import checkpoint
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.logprobs import token_logprobs
@@ -71,7 +71,9 @@ class PolicyWorker(Worker):
         logprobs_T, entropy_T = self.module(mb)
         assert mb.advantages_T is not None
         old_T = mb.old_logprobs_T if mb.old_logprobs_T is not None else logprobs_T.detach()
-        pg_T, clipped_T = ppo_clip_loss(logprobs_T, old_T, mb.advantages_T, algo.clip_low, algo.clip_high,
+        ratio_logprobs_T = (gspo_logprobs(logprobs_T, old_T, mb.loss_mask_T, mb.seq_index_T, len(mb.rows))
+                            if algo.policy_loss == "gspo" else logprobs_T)
+        pg_T, clipped_T = ppo_clip_loss(ratio_logprobs_T, old_T, mb.advantages_T, algo.clip_low, algo.clip_high,
                                         algo.dual_clip)
         stats: dict[str, Tensor] = {}
         weights_T, token_mean_T = loss_weights(mb, batch, algo)
