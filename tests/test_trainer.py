@@ -140,11 +140,13 @@ class ScriptedEngine:
 
     max_context_tokens = None
 
+    turn_marker = "```output"  # what each tool observation adds to the context, to count the turns by
+
     def __init__(self, tokenizer, turns: list[str]) -> None:
         self.tokenizer, self.turns = tokenizer, turns
 
     async def generate(self, prompt_ids, sampling: Sampling, *, session=None) -> Completion:
-        turn = self.tokenizer.decode(prompt_ids).count("```output")  # one per tool call so far
+        turn = self.tokenizer.decode(prompt_ids).count(self.turn_marker)  # one per tool call so far
         ids = self.tokenizer.encode(self.turns[min(turn, len(self.turns) - 1)], add_special_tokens=False)
         stop = next((s for s in sampling.stop if self.tokenizer.decode(ids).endswith(s)), None)
         if stop is None:
@@ -282,3 +284,30 @@ def test_dynamic_sampling_samples_again_until_groups_carry_a_signal(tmp_path, mo
     [m] = read_jsonl(run / "metrics.jsonl")
     assert m["rollout/dynamic_sampling_rounds"] == 3.0 and m["rollout/groups_kept"] == 0.0
     assert len(read_jsonl(run / "prompt_stats.jsonl")) == 3 * 4  # every round's prompts are recorded
+
+
+def test_search_r1_with_an_auto_retriever(tmp_path):
+    """The Search-R1 task with the retriever started by the trainer over a BM25 index built here."""
+    from tests.test_retriever_support import build_index, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [
+        {"id": "0", "contents": '"Paris"\nParis is the capital of France.'},
+        {"id": "1", "contents": '"Berlin"\nBerlin is the capital of Germany.'}])
+    build_index(corpus, tmp_path / "index", "bm25")
+    rows = _write_rows(tmp_path, [{"id": "q", "question": "What is the capital of France", "golden_answers": ["Paris"]}])
+    run_config = load_run_config(DEBUG, [
+        f"trainer.run_dir={tmp_path / 'run'}", "logging.progress=false", *QUICK, "trainer.prompts_per_step=1",
+        "task.name=search_r1_test", f"task.dataset.path={rows}", "task.dataset.fields.question=question",
+        "task.dataset.fields.answer=golden_answers", "task.dataset.fields.solution=null", "task.tools.format=search_r1",
+        "task.tools.names=[search]", "task.budgets.observation_max_chars=null", "task.reward.name=qa_em",
+        "task.reward.params={}", "task.budgets.max_response_tokens=300", "services.retriever=auto",
+        f"services.retriever_index={tmp_path / 'index'}", "task.prompt.template=Question: {question}\n"])
+    from agentrl.task import load_tokenizer
+
+    engine = ScriptedEngine(load_tokenizer("configs/tiny_tokenizer"),
+                            ["<search> capital of france </search>", "<answer> Paris </answer>"])
+    engine.turn_marker = "<information>"  # Search-R1's observation
+    run = asyncio.run(Trainer(run_config, engine=engine).run()).root
+    [m] = read_jsonl(run / "metrics.jsonl")
+    assert m["tool/calls_per_trajectory"] == 1.0 and m["tool/error_rate"] == 0.0
+    assert m["reward/mean"] == 1.0 and m["rollout/stop/answered"] == 1.0
