@@ -29,6 +29,7 @@ demo: setup
 	$(BIN)/agentrl tasks validate tasks/*.yaml
 	$(BIN)/agentrl tasks show tasks/torl_math.yaml -n 2 $(MATH500) --tokenizer $(TOKENIZER)
 	$(BIN)/agentrl tasks check tasks/torl_math.yaml $(MATH500) --out runs/demo
+	$(BIN)/agentrl train configs/debug_cpu.yaml --set trainer.run_dir=runs/demo/train
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -21,7 +21,7 @@ import json
 import time
 import zlib
 from collections import Counter
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -188,11 +188,14 @@ async def _generate(b: TrajectoryBuilder, engine: Engine, sampling: Sampling) ->
     return b.add_completion(completion)
 
 
-async def _run_async(b: TrajectoryBuilder, engine: Engine, tools: dict[str, Tool], base: Sampling, timeout_s: float) -> None:
+async def _run_async(b: TrajectoryBuilder, engine: Engine, tools: dict[str, Tool], base: Sampling, timeout_s: float,
+                     on_done: Callable[[], None] | None = None) -> None:
     while (sampling := b.next_sampling(base)) is not None:
         action = await _generate(b, engine, sampling)
         if action is not None:
             await _run_tools(b, action, tools, timeout_s)
+    if on_done is not None:
+        on_done()
 
 
 async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, tools: dict[str, Tool], base: Sampling,
@@ -220,18 +223,22 @@ async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
-                  budgets: Budgets, tokenizer: Any, config: RolloutConfig) -> list[Group]:
+                  budgets: Budgets, tokenizer: Any, config: RolloutConfig,
+                  on_done: Callable[[], None] | None = None) -> list[Group]:
     """`config.n` trajectories for every prompt, grouped by prompt, in prompt order. The engine's context
-    window, where it declares one, caps `budgets.max_context_tokens`."""
+    window, where it declares one, caps `budgets.max_context_tokens`. `on_done` is called as each
+    trajectory ends (a progress bar's tick)."""
     window = getattr(engine, "max_context_tokens", None)
     if window and (budgets.max_context_tokens is None or window < budgets.max_context_tokens):
         budgets = budgets.model_copy(update={"max_context_tokens": window})
     base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
     builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
     if config.mode == "async":
-        await _all(_run_async(b, engine, tools, base, config.tool_timeout_s) for b in builders)
+        await _all(_run_async(b, engine, tools, base, config.tool_timeout_s, on_done) for b in builders)
     else:
         await _run_turn_sync(builders, engine, tools, base, config.tool_timeout_s)
+        for _ in builders if on_done is not None else ():
+            on_done()
     trajectories = [b.finish() for b in builders]
     return [Group(p, trajectories[i * config.n : (i + 1) * config.n]) for i, p in enumerate(prompts)]
 

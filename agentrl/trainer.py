@@ -169,6 +169,7 @@ class Trainer:
         write_resolved(self.config, self.run_dir.root)
         await push_weights(self.policy, [self.engine])  # the engine starts from the learner's weights
         with self.services, self._logger() as log:
+            self.log = log
             self.tools = self._tools()
             try:
                 while self.step < self.total_steps:
@@ -220,8 +221,10 @@ class Trainer:
             # sampling seeds by step and round: a resumed step draws what the uninterrupted one drew
             seed = self.config.trainer.seed * 1_000_003 + self.step * 101 + sampler.rounds
             rollout_config = self.config.rollout.model_copy(update={"seed": seed})
+            tick = self.log.rollout_started(len(drawn) * rollout_config.n)
             groups = await rollout([p for _, p in drawn], engine=self.engine, fmt=self.fmt, tools=self.tools,
-                                   budgets=self.config.task.budgets, tokenizer=self.tokenizer, config=rollout_config)
+                                   budgets=self.config.task.budgets, tokenizer=self.tokenizer, config=rollout_config,
+                                   on_done=tick)
             score([tr for g in groups for tr in g.trajectories], self.reward, self.tokenizer)
             self._log_prompt_stats(drawn, groups)
             every += groups
@@ -323,7 +326,8 @@ class Trainer:
 
 
 class MetricsLog:
-    """metrics.jsonl (one line per step), TensorBoard scalars, and a progress bar with an ETA."""
+    """metrics.jsonl (one line per step), TensorBoard scalars, and progress bars with ETAs: the steps, and the
+    trajectories of the rollout in flight."""
 
     def __init__(self, run_dir: RunDir, tensorboard: bool, start_step: int, total: int, progress: bool) -> None:
         self.run_dir, self.tensorboard, self.start, self.total, self.progress = (run_dir, tensorboard, start_step,
@@ -344,7 +348,15 @@ class MetricsLog:
                                 TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
             self.bar.start()
             self.task = self.bar.add_task("steps", total=self.total, completed=self.start)
+            self.rollout_task = self.bar.add_task("rollout", total=1, visible=False)
         return self
+
+    def rollout_started(self, trajectories: int) -> Callable[[], None] | None:
+        """Show a rollout of `trajectories` in flight; returns the tick to call as each one ends."""
+        if self.bar is None:
+            return None
+        self.bar.reset(self.rollout_task, total=trajectories, visible=True, description="rollout")
+        return lambda: self.bar.advance(self.rollout_task)
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self.run_dir.log_metrics(step, metrics)
