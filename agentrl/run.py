@@ -17,9 +17,12 @@ redoes.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,6 +107,9 @@ class ServicesConfig(StrictModel):
 
 class LoggingConfig(StrictModel):
     tensorboard: bool = Field(True, description="TensorBoard events in <run_dir>/tensorboard")
+    wandb_project: str | None = Field(None, description="log to this W&B project (pip install 'agentrl[tracking]')")
+    mlflow_tracking_uri: str | None = Field(None, description="log to this MLflow server or store, e.g. http://host:5000")
+    mlflow_experiment: str = "agentrl"
     progress: bool = Field(True, description="a progress bar with an ETA on the terminal")
 
 
@@ -275,3 +281,88 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Where a step's metrics go: metrics.jsonl (one line per step), TensorBoard, W&B and MLflow where
+    configured, and progress bars with ETAs (the steps, and the trajectories of the rollout in flight). A
+    resumed run continues the same W&B / MLflow run (its id is kept in the run dir)."""
+
+    def __init__(self, run_dir: RunDir, logging: LoggingConfig, start_step: int, total: int,
+                 config: StrictModel) -> None:
+        self.run_dir, self.logging, self.start, self.total, self.config = run_dir, logging, start_step, total, config
+
+    def __enter__(self) -> MetricsLog:
+        self.writer = self.wandb = self.mlflow = self.bar = None
+        if self.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # events of steps a resumed run redoes are purged, as metrics.jsonl's lines are
+            self.writer = SummaryWriter(str(self.run_dir.root / "tensorboard"), purge_step=self.start + 1)
+        name = getattr(self.config, "name", "run")
+        if self.logging.wandb_project:
+            wandb = _tracker("wandb", "logging.wandb_project")
+            run_id = self._tracker_id("wandb", lambda: uuid.uuid4().hex[:12])
+            self.wandb = wandb.init(project=self.logging.wandb_project, name=name, id=run_id, resume="allow",
+                                    dir=str(self.run_dir.root), config=self.config.model_dump(mode="json"))
+        if self.logging.mlflow_tracking_uri:
+            mlflow = _tracker("mlflow", "logging.mlflow_tracking_uri")
+            mlflow.set_tracking_uri(self.logging.mlflow_tracking_uri)
+            mlflow.set_experiment(self.logging.mlflow_experiment)
+            saved = self.run_dir.root / "mlflow_run_id"
+            run = mlflow.start_run(run_id=saved.read_text().strip() if saved.exists() else None, run_name=name)
+            atomic_write_text(saved, run.info.run_id + "\n")
+            self.mlflow = mlflow
+        if self.logging.progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("steps", total=self.total, completed=self.start)
+            self.rollout_task = self.bar.add_task("rollout", total=1, visible=False)
+        return self
+
+    def _tracker_id(self, tracker: str, new: Callable[[], str]) -> str:
+        path = self.run_dir.root / f"{tracker}_run_id"
+        if not path.exists():
+            atomic_write_text(path, new() + "\n")
+        return path.read_text().strip()
+
+    def rollout_started(self, trajectories: int) -> Callable[[], None] | None:
+        """Show a rollout of `trajectories` in flight; returns the tick to call as each one ends."""
+        if self.bar is None:
+            return None
+        self.bar.reset(self.rollout_task, total=trajectories, visible=True, description="rollout")
+        return lambda: self.bar.advance(self.rollout_task)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self.run_dir.log_metrics(step, metrics)
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(metrics, step=step)
+        if self.bar is not None:
+            reward = metrics.get("reward/mean", float("nan"))
+            self.bar.update(self.task, completed=step, description=f"steps (reward {reward:+.3f})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _tracker(module: str, key: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{key} is set but {module} is not installed: pip install 'agentrl[tracking]'") from None

@@ -28,7 +28,7 @@ from agentrl.algo import AlgoConfig
 from agentrl.config import ConfigError, StrictModel, write_resolved
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack, response_layout
-from agentrl.run import LoggingConfig, ModelConfig, RunDir
+from agentrl.run import LoggingConfig, MetricsLog, ModelConfig, RunDir
 from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
 
@@ -132,7 +132,7 @@ def sft(config: SFTConfig) -> RunDir:
     """Fine-tune `config.model` on `config.data`; resumes from its run dir's latest checkpoint."""
     from agentrl.learner.policy import PolicyWorker
     from agentrl.task import load_tokenizer
-    from agentrl.trainer import MetricsLog, build_lm
+    from agentrl.trainer import build_lm
 
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path or "", option="model.tokenizer")
     data = read_trajectories(config.data, tokenizer)
@@ -148,7 +148,7 @@ def sft(config: SFTConfig) -> RunDir:
         step = int(json.loads((latest / "trainer.json").read_text())["step"])
         run_dir.truncate_logs(step)
     write_resolved(config, run_dir.root)
-    with MetricsLog(run_dir, config.logging.tensorboard, step, total, config.logging.progress) as log:
+    with MetricsLog(run_dir, config.logging, step, total, config) as log:
         while step < total:
             epoch, index = divmod(step, steps_per_epoch)
             order = list(range(len(data)))

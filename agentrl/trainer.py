@@ -37,7 +37,7 @@ from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
 from agentrl.rewards import build_reward, score
 from agentrl.rollout import dump_trajectories, rollout, rollout_metrics
-from agentrl.run import RunConfig, RunDir
+from agentrl.run import MetricsLog, RunConfig, RunDir
 from agentrl.services import Services
 from agentrl.task import Task, load_tokenizer
 from agentrl.tools.code import CodeTool
@@ -321,58 +321,7 @@ class Trainer:
         return tools
 
     def _logger(self) -> MetricsLog:
-        return MetricsLog(self.run_dir, self.config.logging.tensorboard, self.step, self.total_steps,
-                          self.config.logging.progress)
-
-
-class MetricsLog:
-    """metrics.jsonl (one line per step), TensorBoard scalars, and progress bars with ETAs: the steps, and the
-    trajectories of the rollout in flight."""
-
-    def __init__(self, run_dir: RunDir, tensorboard: bool, start_step: int, total: int, progress: bool) -> None:
-        self.run_dir, self.tensorboard, self.start, self.total, self.progress = (run_dir, tensorboard, start_step,
-                                                                                 total, progress)
-
-    def __enter__(self) -> MetricsLog:
-        self.writer = None
-        if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # events of steps a resumed run redoes are purged, as metrics.jsonl's lines are
-            self.writer = SummaryWriter(str(self.run_dir.root / "tensorboard"), purge_step=self.start + 1)
-        self.bar = None
-        if self.progress:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-            self.bar.start()
-            self.task = self.bar.add_task("steps", total=self.total, completed=self.start)
-            self.rollout_task = self.bar.add_task("rollout", total=1, visible=False)
-        return self
-
-    def rollout_started(self, trajectories: int) -> Callable[[], None] | None:
-        """Show a rollout of `trajectories` in flight; returns the tick to call as each one ends."""
-        if self.bar is None:
-            return None
-        self.bar.reset(self.rollout_task, total=trajectories, visible=True, description="rollout")
-        return lambda: self.bar.advance(self.rollout_task)
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        self.run_dir.log_metrics(step, metrics)
-        if self.writer is not None:
-            for k, v in metrics.items():
-                self.writer.add_scalar(k, v, step)
-            self.writer.flush()
-        if self.bar is not None:
-            reward = metrics.get("reward/mean", float("nan"))
-            self.bar.update(self.task, completed=step, description=f"steps (reward {reward:+.3f})")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.bar is not None:
-            self.bar.stop()
+        return MetricsLog(self.run_dir, self.config.logging, self.step, self.total_steps, self.config)
 
 
 def train(config: RunConfig, **kwargs: Any) -> RunDir:

@@ -311,3 +311,43 @@ def test_search_r1_with_an_auto_retriever(tmp_path):
     [m] = read_jsonl(run / "metrics.jsonl")
     assert m["tool/calls_per_trajectory"] == 1.0 and m["tool/error_rate"] == 0.0
     assert m["reward/mean"] == 1.0 and m["rollout/stop/answered"] == 1.0
+
+
+def test_a_service_that_cannot_start_fails_the_run_naming_it_and_its_log(tmp_path):
+    from agentrl.config import ConfigError
+
+    trainer = Trainer(config(tmp_path, *QUICK, "services.sandbox_args=[--workers, none]"))
+    with pytest.raises(ConfigError) as e:
+        asyncio.run(trainer.run())
+    log = tmp_path / "run" / "logs" / "sandbox.log"
+    assert "the sandbox exited while starting" in str(e.value) and str(log) in str(e.value)
+    assert "--workers" in log.read_text()  # the service's own complaint is in its log
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_wandb_and_mlflow_get_every_step_and_a_resume_continues_their_runs(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the tracking extra is not installed: pip install 'agentrl[tracking]'")
+    pytest.importorskip("mlflow", reason="the tracking extra is not installed: pip install 'agentrl[tracking]'")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B writes its run files locally, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store: no tracking server in a test
+    store = f"file:{tmp_path / 'mlruns'}"
+    sets = ("trainer.eval_every=0", "trainer.export=false", "logging.wandb_project=agentrl-tests",
+            f"logging.mlflow_tracking_uri={store}", "logging.mlflow_experiment=tests")
+    run = train(config(tmp_path, "trainer.steps=2", *sets)).root
+    ids = {t: (run / f"{t}_run_id").read_text() for t in ("wandb", "mlflow")}
+    train(config(tmp_path, "trainer.steps=3", *sets))
+    assert {t: (run / f"{t}_run_id").read_text() for t in ("wandb", "mlflow")} == ids
+    history = MlflowClient(store).get_metric_history(ids["mlflow"].strip(), "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    assert list((run / "wandb").glob(f"offline-run-*-{ids['wandb'].strip()}"))
+
+
+def test_a_tracker_configured_but_not_installed_is_a_clear_error(tmp_path, monkeypatch):
+    from agentrl.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"logging.wandb_project is set but wandb is not installed: pip install"):
+        train(config(tmp_path, *QUICK, "logging.wandb_project=x"))
