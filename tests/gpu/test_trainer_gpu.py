@@ -95,6 +95,17 @@ async def _run_and_compare(trainer) -> tuple[float, float]:
             logp = torch.log_softmax(init(input_ids=ids).logits[0].float(), -1)
         n = len(prompt_ids)
         stale = logp[n - 1 : -1].gather(1, ids[0, n:, None])[:, 0].cpu()
-        return float((engine - learner).abs().mean()), float((stale - learner).abs().mean())
+        gaps = float((engine - learner).abs().mean()), float((stale - learner).abs().mean())
     finally:
         await trainer.aclose()
+    # the export is a checkpoint vLLM serves: greedy from it is greedy from the learner's final weights
+    from agentrl.engine.vllm import VLLMEngine
+
+    served = VLLMEngine(str(Path(trainer.config.run_dir) / "export"), gpu_memory_utilization=0.2, enforce_eager=True,
+                        max_model_len=1024)
+    try:
+        c = await served.generate(prompt_ids, Sampling(max_tokens=16, temperature=0.0))
+        assert len(c.token_ids) > 0
+    finally:
+        await served.aclose()
+    return gaps
