@@ -207,6 +207,79 @@ def sft(
     typer.echo(f"run dir: {run_dir.root}")
 
 
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Option(help="An HF checkpoint dir (a run's export/) or a hub name.")],
+    task: Annotated[Path, typer.Option(help="The task spec: prompt, tool format, budgets, reward.")] = Path("tasks/torl_math.yaml"),
+    benchmarks: Annotated[str, typer.Option(help="Comma-separated benchmark names (README: Evaluation).")] = "math500",
+    n: Annotated[int, typer.Option(min=1, help="Samples per problem: pass@k and maj@k for every k <= n.")] = 1,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy.")] = 0.0,
+    no_tools: Annotated[bool, typer.Option("--no-tools", help="The same prompts with the tools off.")] = False,
+    data_dir: Annotated[Optional[str], typer.Option(help="Local copies (math/*.jsonl, qa/*.json); default: the hub.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(help="Results dir (resumes what it holds); default runs/eval/<model>.")] = None,  # noqa: UP045
+    engine: Annotated[str, typer.Option(help="hf (transformers) or vllm; auto: vllm where a GPU and vLLM are.")] = "auto",
+    limit: Annotated[Optional[int], typer.Option(min=1, help="The first N problems of each benchmark.")] = None,  # noqa: UP045
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    sandbox: Annotated[str, typer.Option(help="The sandbox's URL, or auto (started here).")] = "auto",
+    retriever: Annotated[str, typer.Option(help="The retriever's URL, or auto (serves --index).")] = "auto",
+    index: Annotated[Optional[str], typer.Option(help="Index dir for an auto retriever.")] = None,  # noqa: UP045
+    tokenizer: Annotated[Optional[str], typer.Option(help="Default: the model's own.")] = None,  # noqa: UP045
+    overrides: SetOption = None,
+) -> None:
+    """Evaluate a model on benchmarks with the task's tools: pass@k, maj@k, tool use, per-sample records."""
+    import asyncio
+
+    from agentrl.config import ConfigError
+    from agentrl.eval_run import run_eval, without_tools
+    from agentrl.run import ServicesConfig
+    from agentrl.services import Services
+    from agentrl.task import load_task, load_tokenizer
+
+    out = out or Path("runs/eval") / Path(model.rstrip("/")).name
+    try:
+        spec = load_task(task, overrides or []).spec
+        tok = load_tokenizer(tokenizer or model, option="--tokenizer")
+        names = without_tools(spec).tools.names if no_tools else spec.tools.names
+        services = Services(list(names), ServicesConfig(sandbox=sandbox, retriever=retriever, retriever_index=index),
+                            out / "logs")
+        with services:
+            results = asyncio.run(_evaluate(model, engine, tok, seed, lambda e: run_eval(
+                spec=spec, benchmarks=benchmarks, engine=e, tokenizer=tok, out=out, n=n, temperature=temperature,
+                seed=seed, data_dir=data_dir, limit=limit, no_tools=no_tools, tool_urls=services.urls)))
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    from agentrl.eval_run import markdown_table
+
+    typer.echo(markdown_table(results, n), nl=False)
+    typer.echo(f"wrote {out}/results.json, results.md and <benchmark>.samples.jsonl")
+
+
+async def _evaluate(model: str, kind: str, tokenizer: object, seed: int, run: object) -> object:
+    """Build the engine (in the running event loop, as vLLM needs), run, close it."""
+    import importlib.util
+
+    import torch
+
+    from agentrl.engine import maybe_await
+
+    if kind == "auto":
+        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+    if kind == "vllm":
+        from agentrl.engine.vllm import VLLMEngine
+
+        engine = VLLMEngine(model, seed=seed, use_request_seeds=True)
+    elif kind == "hf":
+        from agentrl.engine.hf import HFEngine
+
+        engine = HFEngine.from_pretrained(model, device="cuda" if torch.cuda.is_available() else "cpu", seed=seed)
+    else:
+        raise _fail(f"--engine {kind!r}: expected auto, hf or vllm")
+    try:
+        return await run(engine)  # type: ignore[operator]
+    finally:
+        await maybe_await(engine.aclose())
+
+
 def main() -> None:
     app()
 

@@ -210,22 +210,11 @@ class RunDir:
 
     # -- append-only logs: one whole line per write ----------------------------------------------------
 
-    @staticmethod
-    def _append(path: Path, records: list[dict[str, Any]]) -> None:
-        if not records:
-            return
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, data)  # one write: a killed run leaves whole lines only
-        finally:
-            os.close(fd)
-
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._append(self.metrics_path, [{"step": step, **metrics}])
+        append_jsonl(self.metrics_path, [{"step": step, **metrics}])
 
     def log_prompt_stats(self, records: list[dict[str, Any]]) -> None:
-        self._append(self.prompt_stats_path, records)
+        append_jsonl(self.prompt_stats_path, records)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return _read_jsonl(self.metrics_path)
@@ -275,6 +264,18 @@ class RunDir:
         for leftover in self.checkpoints.glob(".step_*.tmp"):  # from a run killed while saving
             shutil.rmtree(leftover)
         return final
+
+
+def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append `records` as JSON lines in one write: a process killed meanwhile leaves whole lines only."""
+    if not records:
+        return
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -270,9 +270,10 @@ class Trainer:
         t = self.config.trainer
         start = time.perf_counter()
         spec = self.config.eval_task or self.config.task
+        qa = spec.reward.name in ("qa_em", "qa_f1")
         result = await evaluate(self.eval_prompts, engine=self.engine, fmt=self.fmt, tools=self.tools,
                                 budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
-                                temperature=t.eval_temperature, seed=t.seed)
+                                temperature=t.eval_temperature, seed=t.seed, answer_format="answer-tag" if qa else "boxed")
         return result.metrics | {"timing/validation": time.perf_counter() - start}
 
     # -- state --------------------------------------------------------------------------------------
