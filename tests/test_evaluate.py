@@ -14,8 +14,8 @@ from agentrl import eval_run
 from agentrl.benchmarks import BENCHMARKS, resolve
 from agentrl.config import ConfigError
 from agentrl.engine import Completion
-from agentrl.evaluate import majority_correct, pass_at_k, summarize
 from agentrl.eval_run import run_eval
+from agentrl.evaluate import majority_correct, pass_at_k, summarize
 from agentrl.task import Task, load_task, load_tokenizer
 from tests.conftest import REPO, SHARED
 
@@ -153,7 +153,7 @@ FIXTURES = {  # each benchmark's local file, in its own format, and the ground t
 
 def test_every_benchmark_loads_from_its_local_format(tmp_path):
     assert set(FIXTURES) == set(BENCHMARKS)
-    for name, (rows, gold) in FIXTURES.items():
+    for name, (rows, _gold) in FIXTURES.items():
         _write(tmp_path / BENCHMARKS[name].local.path, rows)
     spec = load_task(REPO / "tasks" / "torl_math.yaml").spec
     for bench, dataset in resolve(",".join(FIXTURES), tmp_path, None):
