@@ -238,3 +238,35 @@ def test_qa_benchmarks_report_exact_match_and_f1(tmp_path, tok):
     # row 1: "city of paris" (articles dropped) against "paris": precision 1/3, recall 1
     assert results["pass@1"] == 0.5
     assert results["f1"] == pytest.approx((1.0 + 2 * (1 / 3) * 1 / (1 / 3 + 1)) / 2)
+
+
+@pytest.mark.parametrize("task", ["torl_math", "search_r1"])
+def test_the_eval_command_serves_the_tools_it_needs(tmp_path, tok, task):
+    """`agentrl eval` end to end on a tiny random checkpoint: the sandbox, or a retriever over an index
+    built here, started by the command itself."""
+    import subprocess
+    import sys
+
+    from agentrl.engine.random_model import write_random_checkpoint
+    from tests.test_retriever_support import build_index, write_jsonl
+
+    model = write_random_checkpoint(tmp_path / "model", tok, shape="tiny", dtype="float32",
+                                    max_position_embeddings=2048)
+    args = ["--benchmarks", "gsm8k", "--data-dir", str(tmp_path / "data")]
+    if task == "search_r1":
+        _write(tmp_path / "data" / "qa" / "nq_test.json", [{"question": "capital of france", "answer": ["Paris"]}] * 2)
+        corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": "0", "contents": '"Paris"\nParis is the capital.'}])
+        build_index(corpus, tmp_path / "index", "bm25")
+        args = ["--benchmarks", "nq", "--data-dir", str(tmp_path / "data"), "--index", str(tmp_path / "index")]
+    else:
+        _write(tmp_path / "data" / "math" / "gsm8k_test.jsonl", [{"question": "1 + 1?", "answer": "1 + 1\n#### 2"}] * 2)
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", "--model", str(model), "--task",
+                          f"tasks/{task}.yaml", "--n", "2", "--temperature", "1.0", "--engine", "hf", "--out",
+                          str(tmp_path / "out"), "--set", "budgets.max_response_tokens=16", *args],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [(name, metrics)] = json.loads((tmp_path / "out" / "results.json").read_text())["results"].items()
+    assert metrics["prompts"] == 2 and metrics["samples"] == 4 and ("f1" in metrics) == (task == "search_r1")
+    service = "retriever" if task == "search_r1" else "sandbox"
+    assert (tmp_path / "out" / "logs" / f"{service}.log").exists()
+    assert f"| {name} | 2 |" in out.stdout
