@@ -79,13 +79,22 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
 ]}
 
 
-def resolve(names: str, data_dir: str | Path | None, limit: int | None) -> list[tuple[Benchmark, DatasetSpec]]:
+def resolve(names: str, data_dir: str | Path | None, limit: int | None,
+            task: DatasetSpec | None = None) -> list[tuple[Benchmark, DatasetSpec]]:
     """`names` (comma-separated) -> each benchmark with the dataset section that reads it: the local copy
-    under `data_dir` when given (it must be there), else the hub copy."""
+    under `data_dir` when given (it must be there), else the hub copy. The name `task` is the task spec's
+    own dataset (`task`), e.g. a held-out split."""
     out = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name == "task" and task is not None:
+            f = task.fields
+            source = Source(task.path, f.question, f.answer, f.solution, f.id, task.config, task.split, task.answer_regex)
+            out.append((Benchmark("task", "math", source, None, "the task's own"),
+                        task.model_copy(update={"limit": limit or task.limit})))
+            continue
         if name not in BENCHMARKS:
-            raise ConfigError(f"--benchmarks: unknown benchmark {name!r}; expected one of: {', '.join(BENCHMARKS)}")
+            raise ConfigError(f"--benchmarks: unknown benchmark {name!r}; expected one of: {', '.join(BENCHMARKS)}, "
+                              "or task (the task spec's own dataset)")
         b = BENCHMARKS[name]
         if data_dir is not None:
             path = Path(data_dir) / b.local.path

@@ -11,6 +11,7 @@ the tools off: no stop strings, one turn.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,11 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
     fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars)
     results: dict[str, dict[str, float]] = {}
     try:
-        for bench, dataset in resolve(benchmarks, data_dir, limit):
-            if (bench.kind == "qa") != (spec.reward.name in ("qa_em", "qa_f1")):
+        qa_task = spec.reward.name in ("qa_em", "qa_f1")
+        for bench, dataset in resolve(benchmarks, data_dir, limit, spec.dataset):
+            if bench.name == "task":
+                bench = dataclasses.replace(bench, kind="qa" if qa_task else "math")
+            if (bench.kind == "qa") != qa_task:
                 raise ConfigError(f"--benchmarks {bench.name} is a {bench.kind} benchmark, and the task's reward "
                                   f"is {spec.reward.name!r}: pass a {bench.kind} task (e.g. tasks/"
                                   f"{'search_r1' if bench.kind == 'qa' else 'torl_math'}.yaml)")
