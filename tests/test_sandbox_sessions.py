@@ -149,7 +149,7 @@ def test_client_disconnect_kills_the_run(server):
             client.sendall(b"POST /run_code HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
             deadline = time.monotonic() + 30
-            while not sandbox_uid_processes():  # the run's fork (its first process is the zygote's child)
+            while not sandbox_uid_processes(server.uid_base):  # the fork of the run's program
                 assert time.monotonic() < deadline, "the run's forked process never appeared"
                 time.sleep(0.01)  # a polling interval: the process table is read each time
         assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
@@ -284,7 +284,7 @@ def test_running_out_of_descriptors_leaks_nothing_and_frees_the_worker(monkeypat
     monkeypatch.setattr(run_module.os, "pipe2", failing_second_pipe)
 
     class Worker:  # never reached: spawn would need the descriptors
-        uid, map_self = 1000, False
+        uid, map_self, run_cgroup = 1000, False, False
 
         def host_uid(self, uid):
             return None
