@@ -168,7 +168,8 @@ class CgroupSet:
         """A write descriptor on the `run` group's cgroup.procs: writing "0" moves the writer there. The
         kernel checks the opener's credentials (ours), so the program's process may use it unprivileged."""
         group = self.groups.get("memory") or self.groups["unified"]
-        return os.open(os.path.join(group, worker, "run", "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+        name = "tasks" if self.version == "v1" else "cgroup.procs"
+        return os.open(os.path.join(group, worker, "run", name), os.O_WRONLY | os.O_CLOEXEC)
 
     def oom_kills(self, worker: str) -> int:
         """How many times the kernel OOM-killed inside this worker's cgroups (for /health)."""

@@ -48,6 +48,9 @@ MB = 1024 * 1024
 # built without them.
 DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog")
 _mapped = 0  # bytes the interpreter had mapped when prepared; RLIMIT_AS (no cgroup) adds the budget on top
+# Bound now: a program may rebind os._exit / os.kill (SandboxFusion's anti-hack header sets them to None),
+# and this process must still end with the program's status.
+exit_now, _kill = os._exit, os.kill
 
 
 class RequestError(Exception):
@@ -55,8 +58,9 @@ class RequestError(Exception):
 
 
 def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
-    """Everything that does not depend on the request; returns the fresh `__main__` namespace. `keep`:
-    the one descriptor left open (the line to the supervisor); the cgroup's is used, then closed."""
+    """Everything that does not depend on the request or on the run's mounts (which the supervisor makes
+    meanwhile); returns the fresh `__main__` namespace. `keep`: the one descriptor left open (the line to
+    the supervisor); the cgroup's is used, then closed."""
     cgroup_fd = static.get("cgroup_fd")
     if cgroup_fd is not None:  # the memory cgroup of the run: every process of the program is counted there
         os.write(cgroup_fd, b"0")
@@ -81,7 +85,6 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
     # setresuid made us non-dumpable, which hands /proc/self (fd, environ, ...) to the namespace's root:
     # the program could not even list its own descriptors. Its uid is its alone, so this exposes nothing.
     libc.prctl(libc.PR_SET_DUMPABLE, 1)
-    os.chdir(WORKDIR)
     for kind, value in (
         (resource.RLIMIT_CORE, 0),
         (resource.RLIMIT_NPROC, limits["nproc"]),
@@ -199,8 +202,8 @@ def run_python(path: str, args: list[str], namespace: dict[str, Any]) -> NoRetur
     finish_python()
     if interrupted:  # an uncaught KeyboardInterrupt: the interpreter ends by SIGINT, so do we
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(status)
+        _kill(os.getpid(), signal.SIGINT)
+    exit_now(status)
 
 
 def exec_bash(path: str, args: list[str]) -> NoReturn:
@@ -342,7 +345,7 @@ def session_loop(namespace: dict[str, Any], limits: dict[str, Any]) -> NoReturn:
     while True:
         request = read_frame_fd(SESSION_FD, limits["request_bytes"])
         if request is None:
-            os._exit(0)
+            exit_now(0)
         code, error, _interrupted = 0, None, False
         started = time.monotonic()
         try:
@@ -358,7 +361,7 @@ def session_loop(namespace: dict[str, Any], limits: dict[str, Any]) -> NoReturn:
                 _in_call = False
         if os.getpid() != me:  # a fork of the session's code: exit, never answer in the session's name
             finish_python()
-            os._exit(code)
+            exit_now(code)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

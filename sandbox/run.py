@@ -131,8 +131,9 @@ def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: b
         "cpu_s": timeout_s + 1,
         "memory_mb": memory_mb,
         "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
-        # Single-uid fallback: the zygote and the supervisor share the run's uid and count against RLIMIT_NPROC.
-        "nproc": settings.max_processes + (3 if map_self else 0),
+        # The next run's prepared process shares the uid (+1); in the single-uid fallback the zygote and the
+        # supervisors do too.
+        "nproc": settings.max_processes + (5 if map_self else 1),
         "nofile": settings.max_open_files,
         "fsize_mb": settings.max_file_size_mb,
         "fetch_bytes": settings.max_fetch_bytes,

@@ -4,10 +4,10 @@ The supervisor is the only process of a run that speaks for it, and the program 
 the zygote's uid (root of the worker's user namespace, which the program's uid cannot signal or ptrace),
 it installs no signal handler during a run (so, as PID 1, it ignores every signal the program sends), and
 the program never holds its socket to the server. It is forked *ahead* of its run and prepares what does
-not depend on the request (`_prepare`): fresh mount, IPC and network namespaces (the network one with
-only a loopback interface, up), a size-limited tmpfs on /tmp holding the working dir /tmp/work, the
-binds the root view has under /tmp made again on top of it, a fresh /proc. Then it forks the program's
-process (program.py), which drops its privileges and waits too.
+not depend on the request: fresh mount, IPC and network namespaces (the network one with only a
+loopback interface, up), a size-limited tmpfs on /tmp holding the working dir /tmp/work, the binds the
+root view has under /tmp made again on top of it, a fresh /proc (`_mount`); meanwhile the program's
+process (program.py, forked first thing) drops its privileges, and then waits too.
 
 When the run arrives (`_run`) it reads the request from the server's socket, hands it with the run's
 stdout/stderr to the program, and watches: the program tells it once that it starts (then closes its
@@ -48,8 +48,17 @@ def main(static: dict[str, Any], channel: int, inherited: list[int]) -> NoReturn
     """Entry point right after the zygote's fork; never returns."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # no handler (Python's raises KeyboardInterrupt): PID 1
     try:
-        _prepare(static, inherited)
-        prepared = _spawn(static, static["uid"]) if static["uid"] is not None else None
+        for fd in inherited:
+            os.close(fd)
+        # IPC and network: SysV objects, abstract sockets, ports and TIME_WAIT entries of one run are not
+        # there for the next one of this worker.
+        libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWNET)
+        # The program's process is forked first thing: every page we touch before forking it (a write
+        # splits the zygote's huge pages) is a page table the fork has to copy.
+        prepared = _fork_program(static, static["uid"]) if static["uid"] is not None else None
+        _mount(static)
+        if prepared is not None:
+            _release(prepared, static["uid"])
     except BaseException as e:  # noqa: BLE001 - the zygote sees the exit and forks a fresh one
         os.write(2, f"sandbox: preparing a run failed: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED)
@@ -65,12 +74,8 @@ def main(static: dict[str, Any], channel: int, inherited: list[int]) -> NoReturn
     _run(static, prepared, msg, fds)
 
 
-def _prepare(static: dict[str, Any], inherited: list[int]) -> None:
-    for fd in inherited:
-        os.close(fd)
-    # IPC and network: SysV objects, abstract sockets, ports and TIME_WAIT entries of one run are not
-    # there for the next one of this worker.
-    libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWNET)
+def _mount(static: dict[str, Any]) -> None:
+    """The run's /tmp (with the binds the root view has there made again on top), /proc, loopback."""
     covered = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in static["tmp_binds"]}
     disk_mb = static["disk_mb"]
     libc.mount("tmpfs", "/tmp", "tmpfs", libc.MS_NOSUID | libc.MS_NODEV,
@@ -97,36 +102,44 @@ def _makedirs(path: str) -> None:
         os.mkdir(path, 0o755)
 
 
-def _spawn(static: dict[str, Any], uid: int) -> _Program:
-    """Fork the program's process and wait until it is prepared."""
-    os.chown(WORKDIR, uid, uid)
+def _fork_program(static: dict[str, Any], uid: int) -> _Program:
+    """Fork the program's process; it prepares itself, then waits for `_release`."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:  # never return into the supervisor's code, whatever the program did to the interpreter
             ours.close()
             namespace = program.prepare(static, uid, theirs.fileno())
+            mounted, _ = recv_msg(theirs)
+            if mounted is None:
+                program.exit_now(0)
+            os.chdir(WORKDIR)
             send_msg(theirs, {"op": "ready"})
             _program_main(theirs, namespace)
         except BaseException as e:  # noqa: BLE001
             os.write(2, f"sandbox: preparing the program failed: {type(e).__name__}: {e}\n".encode())
         finally:
-            os._exit(SETUP_FAILED)
+            program.exit_now(SETUP_FAILED)
     theirs.close()
     if static.get("cgroup_fd") is not None:
-        os.close(static.pop("cgroup_fd"))  # the program has joined the run's cgroup
-    prepared = _Program(pid, os.pidfd_open(pid), ours)
-    ready, _ = recv_msg(ours)
+        os.close(static.pop("cgroup_fd"))  # the program joins the run's cgroup with its own copy
+    return _Program(pid, os.pidfd_open(pid), ours)
+
+
+def _release(prog: _Program, uid: int) -> None:
+    """The run's /tmp is mounted: hand the working dir to the program's uid, wait until it is ready."""
+    os.chown(WORKDIR, uid, uid)
+    send_msg(prog.channel, {"op": "mounted"})
+    ready, _ = recv_msg(prog.channel)
     if ready is None or ready.get("op") != "ready":
         raise RuntimeError("the program's process died while preparing")
-    return prepared
 
 
 def _program_main(chan: socket.socket, namespace: dict[str, Any]) -> NoReturn:
     """In the program's process: wait for the run (or session), set it up, become the program."""
     msg, fds = recv_msg(chan)
     if msg is None:
-        os._exit(0)
+        program.exit_now(0)
     limits = msg["limits"]
     if msg["op"] == "session":
         chan.close()
@@ -139,10 +152,10 @@ def _program_main(chan: socket.socket, namespace: dict[str, Any]) -> NoReturn:
         path = program.start(request, msg["lang"], limits, fds[1:])
     except program.RequestError as e:
         send_msg(chan, {"op": "refused", "error": str(e)})
-        os._exit(SETUP_FAILED)
+        program.exit_now(SETUP_FAILED)
     except Exception as e:  # noqa: BLE001 - the sandbox's fault: reported as such
         send_msg(chan, {"op": "failed", "error": f"sandbox setup failed: {type(e).__name__}: {e}"})
-        os._exit(SETUP_FAILED)
+        program.exit_now(SETUP_FAILED)
     send_msg(chan, {"op": "started"})
     chan.close()  # from here on the program has no line to anyone but its own output
     args = request.get("args") or []
@@ -280,7 +293,8 @@ def _read_up_to(fd: int, limit: int) -> bytes:
 def _session(static: dict[str, Any], msg: dict[str, Any], fds: list[int]) -> NoReturn:
     """A session: its program process gets the socket; the server's interrupts are passed on to it."""
     try:
-        prog = _spawn(static, msg["uid"])
+        prog = _fork_program(static, msg["uid"])
+        _release(prog, msg["uid"])
     except BaseException as e:  # noqa: BLE001
         os.write(2, f"sandbox: starting a session failed: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED)

@@ -12,8 +12,8 @@ scrubbed environment. Two processes result:
   namespaces, pre-imports math/numpy/sympy, freezes the GC, then serves control messages. A run worker
   keeps one child (supervisor.py, PID 1 of a fresh nested PID namespace, with the program's process it
   forks) forked and prepared ahead; "run" hands it the run's descriptors and starts a backstop deadline
-  (the supervisor enforces the run's own timeout), and the next child is forked once that one has been
-  reaped. The sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's
+  (the supervisor enforces the run's own timeout), and the next child is forked right away, to be
+  prepared while that run goes on. The sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's
   exit is reported with its status, whether the backstop killed it, and its wall time.
 
 The zygote never reads a run's code, input or output (they go straight between the server and the
@@ -168,7 +168,9 @@ class _Zygote:
                     os.kill(c.pid, signal.SIGKILL)  # PID 1 of its namespace: takes all of it along
 
     def _replenish(self) -> None:
-        """Fork the next run's child now, so that its preparation is off the next request's path."""
+        """Fork the next run's child as soon as the last one was handed a run, so that its preparation
+        overlaps that run, off the next request's path. The two share only the worker's uid and cgroup:
+        each has its own PID, mount, network and IPC namespaces, so neither can see or reach the other."""
         if self.prefork and self.spare is None and self.spare_failures < 3:
             try:
                 self.spare = self._fork()
@@ -244,6 +246,7 @@ class _Zygote:
         for fd in fds:
             os.close(fd)
         self._assign(c, msg)
+        self._replenish()
 
     def _claimed(self, msg: dict[str, Any]) -> None:
         c = next((c for c in self.children.values() if c.key == msg["spare"] and c.id is None), None)
@@ -256,6 +259,7 @@ class _Zygote:
         if c is self.spare:
             self.spare = None
         self._assign(c, msg)
+        self._replenish()
 
     @staticmethod
     def _assign(c: _Child, msg: dict[str, Any]) -> None:
