@@ -262,9 +262,9 @@ _numpy_state: int | None = None  # address of numpy's global MT19937 state, when
 
 
 def locate_numpy_state() -> None:
-    """Called by the zygote after its imports. numpy.random.seed() costs a child ~0.8 ms (the first call
-    touches, hence copies, many pages); writing fresh entropy straight into the generator's state
-    (`key[624]`, then `pos`) costs ~0.1 ms. Used only if a test write reads back exactly."""
+    """Called by the zygote after its imports. numpy.random.seed() in each run would touch, hence copy,
+    many pages of the zygote's memory; writing fresh entropy straight into the generator's state
+    (`key[624]`, then `pos`) touches one. Used only if a test write reads back exactly."""
     global _numpy_state
     numpy = sys.modules.get("numpy")
     if numpy is None or "numpy.random" not in sys.modules:

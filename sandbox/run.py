@@ -253,8 +253,8 @@ def _outcome(report: dict[str, Any], stdout: str, stderr: str, settings: Setting
     if status == "error":
         return Outcome("Error", elapsed, stdout=stdout, stderr=stderr, message=report["error"])
     skipped = report.get("fetch_skipped") or {}
-    message = ("fetch_files over the " + f"{settings.max_fetch_bytes}-byte budget left out: "
-               + ", ".join(f"{name} ({size} bytes)" for name, size in skipped.items())) if skipped else ""
+    left_out = ", ".join(f"{name} ({size} bytes)" for name, size in skipped.items())
+    message = f"fetch_files over the {settings.max_fetch_bytes}-byte budget left out: {left_out}" if skipped else ""
     if status == "timeout":
         return Outcome("TimeLimitExceeded", elapsed, None, stdout, stderr, report["files"], message)
     return Outcome("Finished", elapsed, report["code"], stdout, stderr, report["files"], message)
