@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -120,9 +121,7 @@ def _fork_program(static: dict[str, Any], uid: int) -> _Program:
             os.write(2, f"sandbox: preparing the program failed: {type(e).__name__}: {e}\n".encode())
         finally:
             program.exit_now(SETUP_FAILED)
-    theirs.close()
-    if static.get("cgroup_fd") is not None:
-        os.close(static.pop("cgroup_fd"))  # the program joins the run's cgroup with its own copy
+    theirs.close()  # (the cgroup's descriptor stays open: a program's process forked again joins too)
     return _Program(pid, os.pidfd_open(pid), ours)
 
 
@@ -169,6 +168,10 @@ def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[
     limits = msg["limits"]
     request: dict[str, Any] = {}
     try:
+        if select.select([prog.pidfd], [], [], 0)[0]:  # killed while it waited (the run before us OOMed)
+            os.waitpid(prog.pid, 0)
+            prog = _fork_program(static, static["uid"])
+            _release(prog, static["uid"])
         raw = read_all_fd(sock, limits["request_bytes"])
         request = json.loads(raw)
         memfd = os.memfd_create("request", os.MFD_CLOEXEC)
@@ -176,7 +179,7 @@ def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[
         send_msg(prog.channel, {"op": "run", "lang": msg["lang"], "limits": limits}, [memfd, *fds[1:]])
         os.close(memfd)
         report = _watch(prog, msg["timeout"], msg["lang"])
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         report = {"status": "error", "error": f"sandbox setup failed: {type(e).__name__}: {e}"}
     for fd in fds[1:]:
         os.close(fd)  # only the program's processes hold its output now: EOF once they are dead

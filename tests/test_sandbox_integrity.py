@@ -10,6 +10,9 @@ of the run is dead.
 from __future__ import annotations
 
 import base64
+import os
+import signal
+import time
 import uuid
 
 import httpx
@@ -150,3 +153,33 @@ for address in [('127.0.0.1', {server.port}), ('10.0.0.1', 80), ('8.8.8.8', 53)]
     # the service's own port is not in the run's network namespace; nothing routes out of it
     assert run(server, code)["run_result"]["stdout"] == "ECONNREFUSED\nENETUNREACH\nENETUNREACH\n"
 
+
+
+def _prepared_program(server: ServerProcess) -> int:
+    """The next run's program process (uid 1000 inside: the one worker's), waiting for its run."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                status = dict(line.split(":\t", 1) for line in open(f"/proc/{entry}/status").read().splitlines())
+            except OSError:
+                continue
+            if int(status["Uid"].split()[0]) == server.uid_base + 1000 and status["State"].startswith("S"):
+                return int(entry)
+        time.sleep(0.05)  # a polling interval: the process table is read each time
+    raise AssertionError("no prepared program process appeared")
+
+
+def test_a_prepared_program_killed_while_waiting_is_replaced(server):
+    """The next run's program process dies before its run arrives (here: killed from outside; in
+    practice the OOM killer acting on the run before it, whose cgroup it shares): the run still gets a
+    program process, in the run's memory cgroup."""
+    assert server.leftovers() == []
+    pid = _prepared_program(server)
+    os.kill(pid, signal.SIGKILL)
+    while not open(f"/proc/{pid}/status").read().split("State:\t")[1].startswith("Z"):
+        time.sleep(0.01)  # a polling interval: dead (a zombie its supervisor has not reaped) before the run
+    body = run(server, "print(open('/proc/self/cgroup').read())")
+    assert body["status"] == "Success", body
+    if server.cgroup_memory:
+        assert "/worker0/run\n" in body["run_result"]["stdout"], body["run_result"]["stdout"]
