@@ -95,6 +95,12 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.baseline = 0
 
+    def run_code(self, code: str, language: str = "python", run_timeout: float = 5, **fields: object,
+                 ) -> httpx.Response:
+        """POST /run_code (with this server's token, if any)."""
+        body = {"code": code, "language": language, "run_timeout": run_timeout, **fields}
+        return httpx.post(self.url + "/run_code", json=body, headers=self.headers, timeout=120)
+
     @property
     def cgroup_memory(self) -> bool:
         """Whether the server limits a run's real memory with a cgroup (else its address space)."""

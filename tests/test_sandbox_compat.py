@@ -11,7 +11,6 @@ import site
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from sandbox.testing import ServerProcess
@@ -26,13 +25,8 @@ def server() -> ServerProcess:
         yield s
 
 
-def post(server: ServerProcess, code: str, language: str = "python", **fields) -> httpx.Response:
-    body = {"code": code, "language": language, "run_timeout": fields.pop("run_timeout", 5), **fields}
-    return httpx.post(server.url + "/run_code", json=body, timeout=120)
-
-
 def run(server: ServerProcess, code: str, language: str = "python", **fields) -> dict:
-    response = post(server, code, language, **fields)
+    response = server.run_code(code, language, **fields)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -100,10 +94,10 @@ def test_fetch_files_budget_and_paths(server):
 
 
 def test_requests_that_do_not_fit_a_run_are_refused_naming_the_limit(server):
-    many = post(server, "print(1)", files={f"f{i}": "" for i in range(5000)})
+    many = server.run_code("print(1)", files={f"f{i}": "" for i in range(5000)})
     assert many.status_code == 413 and "inodes" in many.json()["detail"] and "--disk-mb 64" in many.json()["detail"]
     block = base64.b64encode(b"x" * (3 << 20)).decode()
-    big = post(server, "print(1)", memory_limit_MB=8, files={f"b{i}": block for i in range(3)})
+    big = server.run_code("print(1)", memory_limit_MB=8, files={f"b{i}": block for i in range(3)})
     assert big.status_code == 413 and "memory budget of 8 MB" in big.json()["detail"], big.text
     deep = "/".join(["d"] * 1000) + "/f.txt"  # 2005 bytes: nested deep, well under PATH_MAX
     body = run(server, f"print(open({deep!r}).read())", files={deep: base64.b64encode(b"deep").decode()})

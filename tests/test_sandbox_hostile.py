@@ -14,7 +14,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sandbox.testing import ServerProcess
@@ -36,8 +35,7 @@ def server(tmp_path_factory) -> ServerProcess:
 
 
 def run(server: ServerProcess, code: str, language: str = "python", **fields) -> dict:
-    body = {"code": code, "language": language, "run_timeout": fields.pop("run_timeout", 5), **fields}
-    response = httpx.post(server.url + "/run_code", json=body, timeout=60)
+    response = server.run_code(code, language, **fields)
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -15,7 +15,6 @@ import signal
 import time
 import uuid
 
-import httpx
 import pytest
 
 from sandbox.testing import ServerProcess, sandbox_uid_processes
@@ -30,8 +29,7 @@ def server() -> ServerProcess:
 
 
 def run(server: ServerProcess, code: str, language: str = "python", **fields) -> dict:
-    body = {"code": code, "language": language, "run_timeout": fields.pop("run_timeout", 5), **fields}
-    response = httpx.post(server.url + "/run_code", json=body, timeout=60)
+    response = server.run_code(code, language, **fields)
     assert response.status_code == 200, response.text
     return response.json()
 
