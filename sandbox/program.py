@@ -159,7 +159,7 @@ def write_files(files: dict[str, str | None]) -> None:
         if not path.startswith(WORKDIR + "/"):
             raise RequestError(f"files: {rel!r} leaves the working directory")
         try:
-            _makedirs(os.path.dirname(path))
+            makedirs(os.path.dirname(path))
             with open(path, "wb") as f:
                 f.write(base64.b64decode(content))
         except OSError as e:
@@ -168,14 +168,14 @@ def write_files(files: dict[str, str | None]) -> None:
             raise
 
 
-def _makedirs(path: str) -> None:
+def makedirs(path: str, mode: int = 0o777) -> None:
     """os.makedirs without its recursion, which fails on paths nested a thousand levels deep."""
     missing = []
-    while path != WORKDIR and not os.path.isdir(path):
+    while not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)
     for directory in reversed(missing):
-        os.mkdir(directory)
+        os.mkdir(directory, mode)
 
 
 def _set_stdin(text: str | None) -> None:

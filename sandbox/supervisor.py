@@ -82,7 +82,7 @@ def _mount(static: dict[str, Any]) -> None:
     libc.mount("tmpfs", "/tmp", "tmpfs", libc.MS_NOSUID | libc.MS_NODEV,
                f"size={disk_mb}m,nr_inodes={inodes_for(disk_mb)},mode=1777")
     for path, fd in covered.items():  # read-only binds keep their flags when bound again
-        _makedirs(path)
+        program.makedirs(path, 0o755)
         libc.mount(f"/proc/self/fd/{fd}", path, None, libc.MS_BIND | libc.MS_REC)
         os.close(fd)
     libc.mount("proc", "/proc", "proc", libc.MS_NOSUID | libc.MS_NODEV | libc.MS_NOEXEC)
@@ -93,14 +93,6 @@ def _mount(static: dict[str, Any]) -> None:
 def inodes_for(disk_mb: int) -> int:
     """Inodes of a run's tmpfs (files and directories it may hold); server.py checks requests against it."""
     return max(1024, disk_mb * 64)
-
-
-def _makedirs(path: str) -> None:
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        _makedirs(parent)
-    if not os.path.isdir(path):
-        os.mkdir(path, 0o755)
 
 
 def _fork_program(static: dict[str, Any], uid: int) -> _Program:
