@@ -4,11 +4,11 @@ Ours: `python -m sandbox serve` with full isolation (sandbox.testing.ServerProce
 HTTP stack (FastAPI + uvicorn, same /run_code schema) answering each request with a fresh
 `subprocess.run([sys.executable, "-c", code])`, same time limit, no isolation (this file, `--baseline`).
 Measured: latency p50/p99 of `print(1+1)` and of a numpy + sympy snippet (sequential requests);
-throughput at concurrency 1, 8 and 32; then a soak of N requests at concurrency 32 against ours, counting
-failures and processes left behind. The load generator is a small keep-alive HTTP/1.1 client (`Client`)
-so that it takes little of the CPU the two servers are measured on.
+throughput at concurrency 1, 8 and 32. The load generator is a small keep-alive HTTP/1.1 client (`Client`)
+so that it takes little of the CPU the two servers are measured on. The soak (many requests at a
+trainer's concurrency, failures and queue waits) is bench/soak_sandbox.py.
 
-    .venv/bin/python bench/bench_sandbox.py [--soak 10000] [--workers N]
+    .venv/bin/python bench/bench_sandbox.py [--workers N]
 """
 
 from __future__ import annotations
@@ -127,13 +127,17 @@ async def load(port: int, concurrency: int, n: int, expect: str = "2\n") -> tupl
     return n / (time.perf_counter() - started), failures
 
 
-def table(rows: list[tuple[str, str, str, str]]) -> None:
+COLUMNS = ("metric", "ours (isolated)", "baseline (no isolation)", "ours vs baseline")
+
+
+def table(rows: list[tuple[str, ...]], title: str = "", columns: tuple[str, ...] = COLUMNS) -> None:
+    title = title or f"sandbox vs naive subprocess baseline ({os.cpu_count()}-core host)"
     try:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title="sandbox vs naive subprocess baseline (2-core host)")
-        for col in ("metric", "ours (isolated)", "baseline (no isolation)", "ours vs baseline"):
+        t = Table(title=title)
+        for col in columns:
             t.add_column(col, justify="left" if col == "metric" else "right")
         for row in rows:
             t.add_row(*row)
@@ -168,7 +172,6 @@ def load_average() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--soak", type=int, default=10_000, help="requests in the soak (concurrency 32)")
     parser.add_argument("--workers", type=int, default=None, help="sandbox workers (default: the server's)")
     parser.add_argument("--baseline", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,10 +189,6 @@ def main() -> None:
         with ServerProcess(*extra, "--max-queue", "1024", "--max-sessions", "0") as ours:
             ServerProcess.wait_http(f"http://127.0.0.1:{port}/health", base)
             mine, theirs = asyncio.run(measure(ours.port, port))
-            base.terminate()
-            started = time.perf_counter()
-            soak_rps, soak_failures = asyncio.run(load(ours.port, 32, args.soak))
-            soak_s = time.perf_counter() - started
             leaked = ours.leftovers(timeout=20)
     finally:
         base.terminate()
@@ -210,8 +209,6 @@ def main() -> None:
         ("throughput, concurrency 1", *rps("thr_1")),
         ("throughput, concurrency 8", *rps("thr_8")),
         ("throughput, concurrency 32", *rps("thr_32")),
-        (f"soak: {args.soak} requests at concurrency 32",
-         f"{soak_failures} failed, {len(leaked)} leaked", "not run", f"{soak_rps:.0f} req/s for {soak_s:.0f} s"),
     ])
     if leaked:
         print("left behind:", *leaked, sep="\n  ")

@@ -1,7 +1,8 @@
 """Execution backends behind the HTTP layer (server.py): one narrow interface, two implementations.
 
 `NamespaceBackend` (the default) isolates with this host's kernel: a pool of pre-started zygotes
-(pool.py, zygote.py, child.py) confined by namespaces, rlimits and cgroups (cgroups.py), plus the
+(pool.py, worker.py, zygote.py, supervisor.py, program.py) confined by namespaces, rlimits, a seccomp
+filter and cgroups (cgroups.py), plus the
 sessions' zygote (sessions.py). `DockerBackend` (docker_backend.py) runs each program in a fresh
 container through a Docker engine and has no sessions. `make_backend` picks one from the settings.
 """
@@ -12,10 +13,11 @@ import os
 from typing import Any, Protocol
 
 from sandbox.cgroups import CgroupSet
-from sandbox.pool import WorkerPool, become_subreaper
+from sandbox.pool import WorkerPool
 from sandbox.run import Job, Outcome
 from sandbox.sessions import SessionManager
 from sandbox.settings import Settings
+from sandbox.worker import become_subreaper, claim_uid_block
 
 
 class Backend(Protocol):
@@ -37,10 +39,13 @@ class NamespaceBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         become_subreaper()
+        self.root = os.geteuid() == 0 and not settings.single_uid
+        # As root, runs get host uids of a block no other sandbox service holds (kept while we live).
+        self.uid_base, self._uid_lock = claim_uid_block(settings.uid_base) if self.root else (settings.uid_base, -1)
         self.cgroups, self.cgroup_note = CgroupSet.create()
-        self.pool = WorkerPool(settings, self.cgroups)
+        self.pool = WorkerPool(settings, self.cgroups, self.uid_base)
         self.sessions: SessionManager | None = (
-            SessionManager(settings, self.cgroups) if settings.max_sessions > 0 else None)
+            SessionManager(settings, self.cgroups, self.uid_base) if settings.max_sessions > 0 else None)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -53,20 +58,27 @@ class NamespaceBackend:
         await self.pool.stop()
         if self.cgroups is not None:
             self.cgroups.destroy()
+        if self._uid_lock >= 0:
+            os.close(self._uid_lock)
+            self._uid_lock = -1
 
     async def run(self, job: Job) -> Outcome:
         return await self.pool.run(job)
 
     def status(self) -> dict[str, Any]:
-        root = os.geteuid() == 0 and not self.settings.single_uid
         return {
             **self.pool.status(),
             **(self.sessions.status() if self.sessions else {"sessions": 0, "max_sessions": 0}),
             "isolation": {
                 "namespaces": ["user", "pid", "mount", "network", "ipc", "uts"],
-                "uids": "a host uid range unused by anything else" if root else
+                "uids": f"host uids {self.uid_base}-{self.uid_base + 65535}, held by this service alone"
+                        if self.root else
                         "single-uid fallback: runs keep the server's host uid, with no capabilities",
+                "host_uid_base": self.uid_base if self.root else None,
                 "cgroups": self.cgroup_note,
+                "memory": "real memory of a run's processes and /tmp files (cgroup)" if self.cgroups else
+                          "address space per process (RLIMIT_AS)",
+                "seccomp": "keyring and kernel-log calls denied (ENOSYS)",
             },
         }
 

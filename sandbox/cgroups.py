@@ -1,11 +1,15 @@
-"""Memory and process-count caps from cgroups (v1 or v2), one cgroup per zygote.
+"""Memory and process-count caps from cgroups (v1 or v2), one cgroup per zygote, one below it for runs.
 
 pool.py gives every zygote (one worker slot, and the sessions' zygote) its own cgroup and puts the
-zygote's launcher in it before it forks, so every run of that worker is inside: a multi-process memory
-or fork bomb hits `memory` / `pids` limits even where rlimits (per process) would not add up. A worker
-runs one program at a time, so a per-worker cgroup is a per-run cgroup without a per-run cost.
+zygote's launcher in it before it forks, so every process of that worker is inside: a multi-process fork
+bomb hits `pids.max` where rlimits (per uid) would count otherwise. Below it, `run` holds a run's program
+and everything it starts (program.py joins it through a cgroup.procs descriptor the server opened):
+its `memory` limit is the run's memory budget, counting real memory of all of the run's processes and
+its /tmp files, not address space. A worker runs one program at a time, so one `run` group per worker is
+a per-run cgroup without a per-run cost.
 
-Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>.
+Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>/{zygote,run}
+(the zygote's processes live in `zygote`: cgroup v2 allows processes only in leaves).
 Where no usable hierarchy is writable (unprivileged server without delegation), `CgroupSet.create`
 returns None with the reason and the sandbox relies on rlimits alone (README, "Isolation").
 """
@@ -59,10 +63,14 @@ def _remove_stale(base: str) -> None:
 
 
 def _remove_group(group: str) -> None:
-    """A server's group and its workers' groups below it (empty once their processes are gone)."""
-    for child in os.listdir(group):
-        if os.path.isdir(os.path.join(group, child)):
-            _rmdir_quiet(os.path.join(group, child))
+    """A group and the groups below it, deepest first (each empty once its processes are gone)."""
+    try:
+        entries = os.listdir(group)
+    except OSError:
+        return
+    for entry in entries:
+        if os.path.isdir(os.path.join(group, entry)):
+            _remove_group(os.path.join(group, entry))
     _rmdir_quiet(group)
 
 
@@ -109,62 +117,79 @@ class CgroupSet:
             return None, f"cgroups unavailable ({e}); memory and process caps rely on rlimits"
         return None, "no cgroup hierarchy with memory and pids controllers; relying on rlimits"
 
-    def make(self, worker: str, memory_bytes: int, pids: int) -> None:
+    def make(self, worker: str, memory_bytes: int, pids: int, run_memory_bytes: int | None = None) -> None:
+        """The worker's group (`memory_bytes`, `pids` for all of its processes) with its `zygote` leaf and,
+        when `run_memory_bytes` is given, its `run` leaf with that memory limit."""
+        leaves = ["zygote"] + (["run"] if run_memory_bytes is not None else [])
         for controller, group in self.groups.items():
             path = os.path.join(group, worker)
             os.makedirs(path, exist_ok=True)
             if self.version == "v2":
-                _write(os.path.join(path, "memory.max"), str(memory_bytes))
-                if os.path.exists(os.path.join(path, "memory.swap.max")):
-                    _write(os.path.join(path, "memory.swap.max"), "0")
-                _write(os.path.join(path, "pids.max"), str(pids))
-            elif controller == "memory":
-                _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_bytes))
-                memsw = os.path.join(path, "memory.memsw.limit_in_bytes")
-                if os.path.exists(memsw):  # no swapping around the limit where swap is accounted
-                    _write(memsw, str(memory_bytes))
-            else:
+                _write(os.path.join(path, "cgroup.subtree_control"), "+memory +pids")
+            for leaf in leaves:
+                os.makedirs(os.path.join(path, leaf), exist_ok=True)
+            if controller in ("memory", "unified"):
+                self._limit_memory(path, memory_bytes)
+                if run_memory_bytes is not None:
+                    self._limit_memory(os.path.join(path, "run"), run_memory_bytes)
+            if controller in ("pids", "unified"):
                 _write(os.path.join(path, "pids.max"), str(pids))
 
-    def set_memory(self, worker: str, memory_bytes: int) -> None:
-        group = self.groups.get("memory") or self.groups["unified"]
-        if self.version == "v2":  # memory.swap.max stays 0
-            _write(os.path.join(group, worker, "memory.max"), str(memory_bytes))
+    def _limit_memory(self, path: str, memory_bytes: int) -> None:
+        """memory (and, where swap is accounted, memory+swap: no swapping around the limit) of one group."""
+        if self.version == "v2":
+            _write(os.path.join(path, "memory.max"), str(memory_bytes))
+            if os.path.exists(os.path.join(path, "memory.swap.max")):
+                _write(os.path.join(path, "memory.swap.max"), "0")
             return
-        # v1: memory+swap moves with the memory limit (no swapping around it), and may never be below it:
-        # lowering sets memory first, raising sets memory+swap first.
-        limit = os.path.join(group, worker, "memory.limit_in_bytes")
-        memsw = os.path.join(group, worker, "memory.memsw.limit_in_bytes")
+        # v1: memory+swap may never be below memory: lowering sets memory first, raising memory+swap first.
+        limit = os.path.join(path, "memory.limit_in_bytes")
+        memsw = os.path.join(path, "memory.memsw.limit_in_bytes")
         order = [limit, memsw]
         if os.path.exists(memsw):
             with open(limit) as f:
                 if memory_bytes > int(f.read()):
                     order.reverse()
-        for path in order:
-            if os.path.exists(path):
-                _write(path, str(memory_bytes))
+        for file in order:
+            if os.path.exists(file):
+                _write(file, str(memory_bytes))
+
+    def set_run_memory(self, worker: str, memory_bytes: int) -> None:
+        """The memory limit of the worker's `run` group (the next run's budget)."""
+        group = self.groups.get("memory") or self.groups["unified"]
+        self._limit_memory(os.path.join(group, worker, "run"), memory_bytes)
 
     def attach(self, worker: str, pid: int) -> None:
+        """Put `pid` (a zygote's launcher, before it forks) in the worker's `zygote` leaf."""
         for group in self.groups.values():
-            _write(os.path.join(group, worker, "cgroup.procs"), str(pid))
+            _write(os.path.join(group, worker, "zygote", "cgroup.procs"), str(pid))
+
+    def open_run_procs(self, worker: str) -> int:
+        """A write descriptor on the `run` group's cgroup.procs: writing "0" moves the writer there. The
+        kernel checks the opener's credentials (ours), so the program's process may use it unprivileged."""
+        group = self.groups.get("memory") or self.groups["unified"]
+        name = "tasks" if self.version == "v1" else "cgroup.procs"
+        return os.open(os.path.join(group, worker, "run", name), os.O_WRONLY | os.O_CLOEXEC)
 
     def oom_kills(self, worker: str) -> int:
-        """How many times the kernel OOM-killed inside this worker's cgroup (for /health)."""
+        """How many times the kernel OOM-killed inside this worker's cgroups (for /health)."""
         group = self.groups.get("memory") or self.groups.get("unified")
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
-        try:
-            with open(os.path.join(group or "", worker, name)) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        except OSError:
-            pass
-        return 0
+        total = 0
+        for leaf in ("run", "zygote"):
+            try:
+                with open(os.path.join(group or "", worker, leaf, name)) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            total += int(value)
+            except OSError:
+                continue
+        return total
 
     def remove(self, worker: str) -> None:
         for group in self.groups.values():
-            _rmdir_quiet(os.path.join(group, worker))
+            _remove_group(os.path.join(group, worker))
 
     def destroy(self) -> None:
         for group in self.groups.values():

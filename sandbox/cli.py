@@ -26,6 +26,7 @@ def serve(
     docker_image: str = typer.Option("python:3.11-slim", help="Image for the docker backend."),
     workers: int | None = typer.Option(None, help="Concurrent runs (pre-started workers); default 2 x CPUs."),
     max_queue: int = typer.Option(256, help="Runs allowed to wait for a worker before answering 503."),
+    queue_timeout: float = typer.Option(60.0, help="Seconds a run may wait for a worker before answering 503."),
     max_run_timeout: float = typer.Option(120.0, help="Upper bound on run_timeout, seconds."),
     default_memory_mb: int = typer.Option(1024, help="Memory budget when a request gives none."),
     max_memory_mb: int = typer.Option(4096, help="Upper bound on memory_limit_MB."),
@@ -33,6 +34,7 @@ def serve(
     disk_mb: int = typer.Option(256, help="Size of each run's tmpfs (/tmp, holding the working dir)."),
     max_output_bytes: int = typer.Option(1 << 20, help="Captured bytes per output stream."),
     max_code_bytes: int = typer.Option(1 << 20, help="Largest accepted `code` (413 beyond)."),
+    max_fetch_bytes: int = typer.Option(16 << 20, help="Bytes of fetch_files returned per run, together."),
     max_sessions: int = typer.Option(32, help="Live sessions at most (0 disables sessions)."),
     session_idle: float = typer.Option(600.0, help="Seconds before an unused session is closed."),
     max_session_idle: float = typer.Option(3600.0, help="Upper bound on a session's own idle_timeout."),
@@ -56,6 +58,7 @@ def serve(
         extra["preload"] = tuple(m for m in preload.split(",") if m)
     settings = Settings(
         host=host, port=port, token=token, backend=backend, docker_image=docker_image, max_queue=max_queue,
+        queue_timeout_s=queue_timeout, max_fetch_bytes=max_fetch_bytes,
         max_run_timeout_s=max_run_timeout, default_memory_mb=default_memory_mb, max_memory_mb=max_memory_mb,
         max_processes=max_processes, disk_mb=disk_mb, max_output_bytes=max_output_bytes,
         max_code_bytes=max_code_bytes, max_sessions=max_sessions, session_idle_s=session_idle,

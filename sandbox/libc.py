@@ -1,15 +1,20 @@
 """Thin ctypes bindings to the Linux calls the isolation layer needs and Python 3.11 lacks.
 
 Python 3.11 has no `os.unshare`, `os.setns`, `mount` or `pivot_root`; rootfs.py (the zygote's filesystem
-view), zygote.py (the fork server) and child.py (one confined run) call them through this module.
-Every wrapper raises OSError with the errno and the call's arguments, so a failure names what failed.
+view), zygote.py (the fork server), supervisor.py (a run's PID 1) and program.py (the run's program)
+call them through this module, as well as the seccomp filter, the session keyring and the loopback
+interface. Every wrapper raises OSError with the errno and the call's arguments, so a failure names
+what failed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import platform
+import socket
+import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -43,11 +48,21 @@ PR_CAPBSET_DROP = 24
 PR_SET_SECUREBITS = 28
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 # SECBIT_NOROOT | _LOCKED | SECBIT_NO_SETUID_FIXUP | _LOCKED | SECBIT_KEEP_CAPS_LOCKED:
 # uid 0 never regains capabilities on execve (the single-uid fallback runs code as uid 0 in its namespace).
 SECURE_NOROOT_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 
-_SYSCALLS = {"x86_64": {"pivot_root": 155}, "aarch64": {"pivot_root": 41}}
+_SYSCALLS = {
+    "x86_64": {"pivot_root": 155, "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103},
+    "aarch64": {"pivot_root": 41, "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116},
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: same numbers with this bit set
+KEYCTL_JOIN_SESSION_KEYRING = 1
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+M_ARENA_MAX = -8
 
 
 def _check(result: int, what: str) -> None:
@@ -76,12 +91,70 @@ def umount2(target: str, flags: int) -> None:
     _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount2({target!r})")
 
 
-def pivot_root(new_root: str, put_old: str) -> None:
-    number = _SYSCALLS.get(platform.machine(), {}).get("pivot_root")
+def _syscall_number(name: str) -> int:
+    number = _SYSCALLS.get(platform.machine(), {}).get(name)
     if number is None:
-        raise OSError(0, f"pivot_root: unsupported architecture {platform.machine()}")
-    result = _libc.syscall(ctypes.c_long(number), new_root.encode(), put_old.encode())
+        raise OSError(0, f"{name}: unsupported architecture {platform.machine()}")
+    return number
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    result = _libc.syscall(ctypes.c_long(_syscall_number("pivot_root")), new_root.encode(), put_old.encode())
     _check(result, f"pivot_root({new_root!r}, {put_old!r})")
+
+
+def join_new_session_keyring() -> None:
+    """Replace the caller's session keyring with a fresh, empty, anonymous one, so that nothing below it
+    holds the keyring the server inherited from its login."""
+    result = _libc.syscall(ctypes.c_long(_syscall_number("keyctl")), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING),
+                           ctypes.c_void_p(None))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+def deny_syscalls(names: tuple[str, ...], errno: int) -> None:
+    """Install a seccomp filter under which the named system calls fail with `errno` (every other call
+    is allowed), as does every call of another ABI than the native one (x86's i386 and x32, arm32), whose
+    numbers the filter would not recognise. Inherited by every child and across execve; irrevocable.
+    Needs PR_SET_NO_NEW_PRIVS first."""
+    machine = platform.machine()
+    if machine not in _AUDIT_ARCH:
+        raise OSError(0, f"seccomp filter: unsupported architecture {machine}")
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    numbers = [_syscall_number(name) for name in names]
+    checks = [(jge_k, 0, 0, X32_SYSCALL_BIT)] if machine == "x86_64" else []
+    checks += [(jeq_k, 0, 0, n) for n in numbers]
+    # Layout: load arch; foreign arch -> deny; load nr; each check jumps to deny on a match; allow; deny.
+    program = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, _AUDIT_ARCH[machine]), (ret_k, 0, 0, deny), (ld_w_abs, 0, 0, 0)]
+    for i, (code, _, _, k) in enumerate(checks):
+        program.append((code, len(checks) - i, 0, k))  # on a match: skip the rest and the allow, to deny
+    program += [(ret_k, 0, 0, allow), (ret_k, 0, 0, deny)]
+    filters = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    buffer = ctypes.create_string_buffer(filters)
+
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = _Prog(len(program), ctypes.addressof(buffer))
+    zero = ctypes.c_ulong(0)
+    result = _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                         ctypes.c_void_p(ctypes.addressof(prog)), zero, zero)
+    _check(result, "prctl(PR_SET_SECCOMP)")
+
+
+def loopback_up() -> None:
+    """Bring up `lo` of the caller's (fresh) network namespace: 127.0.0.1 and ::1 work, nothing else."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+def limit_malloc_arenas(count: int) -> None:
+    """glibc reserves 64 MB of address space per thread arena; under RLIMIT_AS, cap their number."""
+    _libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(count))
 
 
 def prctl(option: int, arg: int = 0) -> None:

@@ -3,7 +3,8 @@
 Field names, defaults and status values follow SandboxFusion (bytedance/SandboxFusion,
 sandbox/server/sandbox_api.py and sandbox/runners/types.py), so ToRL and veRL clients work unchanged.
 `language` is a plain string here: an unsupported one is answered 400 with the supported list (server.py)
-rather than a 422 enum error. Paths in `files` / `fetch_files` must stay inside the working directory.
+rather than a 422 enum error. Paths in `files` must stay inside the working directory; `fetch_files` may
+name any path (one that cannot be fetched is left out of the answer, as in SandboxFusion).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 SUPPORTED_LANGUAGES = ("python", "bash")
 NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
-ARG_STRLEN = 131072  # Linux's limit on one argv string (bash gets its code as `bash -c CODE`), NUL included
-ARGV_BYTES = 1 << 20  # all of a bash run's argv together (the kernel's ARG_MAX also counts the environment)
+ARG_STRLEN = 131072  # Linux's limit on one argv string, NUL included
+ARGV_BYTES = 1 << 20  # all of a run's args together (the kernel's ARG_MAX also counts the environment)
 
 
 def _check_relative(path: str) -> str:
@@ -40,7 +41,9 @@ class _Program(BaseModel):
     code: str = Field(..., description="the code to run")
     stdin: str | None = Field(None, description="text fed to standard input")
     files: dict[str, str | None] = Field(default_factory=dict, description="relative path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list, description="relative paths returned after the run")
+    fetch_files: list[str] = Field(default_factory=list,
+                                   description="paths (relative to the working dir, or absolute under /tmp) "
+                                               "returned base64-encoded after the run")
 
     @field_validator("files")
     @classmethod
@@ -58,11 +61,6 @@ class _Program(BaseModel):
                 raise ValueError(f"{a!r} and {b!r} collide: one file's path is (or is inside) another's")
         return files
 
-    @field_validator("fetch_files")
-    @classmethod
-    def _fetch(cls, paths: list[str]) -> list[str]:
-        return [_check_relative(p) for p in paths]
-
 
 class RunCodeRequest(_Program):
     language: str = Field(..., description="python or bash")
@@ -73,19 +71,20 @@ class RunCodeRequest(_Program):
 
     @model_validator(mode="after")
     def _bash_argv(self) -> RunCodeRequest:
-        """bash gets its code and args as argv strings, which the kernel bounds and cuts at NUL."""
+        """bash gets its args as argv strings, which the kernel bounds and cuts at NUL. (Python's stay
+        strings in the warm interpreter; both read their code from a file.)"""
         if self.language != "bash":
             return self
         total = 0
-        for name, text in [("code", self.code)] + [(f"args[{i}]", a) for i, a in enumerate(self.args)]:
+        for i, text in enumerate(self.args):
             if "\x00" in text:
-                raise ValueError(f"{name} contains a NUL byte, which a bash argument cannot hold")
+                raise ValueError(f"args[{i}] contains a NUL byte, which a bash argument cannot hold")
             size = len(text.encode())
             if size >= ARG_STRLEN:
-                raise ValueError(f"{name} is {size} bytes; bash takes at most {ARG_STRLEN - 1} in one argument")
+                raise ValueError(f"args[{i}] is {size} bytes; bash takes at most {ARG_STRLEN - 1} in one argument")
             total += size + 1
         if total > ARGV_BYTES:
-            raise ValueError(f"bash code and args are {total} bytes together; at most {ARGV_BYTES}")
+            raise ValueError(f"bash args are {total} bytes together; at most {ARGV_BYTES}")
         return self
 
 

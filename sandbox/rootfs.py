@@ -3,7 +3,8 @@
 The server decides the view (`RootSpec.default`); the zygote (zygote.py) captures the host sources
 (`HostSnapshot.capture`, run before it leaves the host's namespaces, so it can open paths such as a
 Python under a 0700 /root) and then builds the root in its private mount namespace (`build_root`).
-A run (child.py) adds only its own scratch tmpfs on /tmp and a fresh /proc.
+A run (supervisor.py) adds only its own scratch tmpfs on /tmp (binding again what the view holds under
+/tmp, such as a venv of a repository cloned there) and a fresh /proc.
 
 What is in the view: /usr and the /bin, /lib* symlinks or binds; the Python installation(s) serving
 the zygote, at their host paths; a synthetic /etc (world-readable essentials copied, passwd/group/hosts
@@ -51,11 +52,13 @@ class RootSpec:
             path = os.path.abspath(path)
             if os.path.lexists(path) and not any(_inside(path, b) for b in binds):
                 binds = [b for b in binds if not _inside(b, path)] + [path]
-        for path in binds:
-            if _inside(path, "/tmp"):  # every run mounts its own tmpfs there, hiding the bind
-                raise ValueError(f"{path} is under /tmp, which each run replaces with its own tmpfs; "
-                                 "install the Python environment elsewhere")
         return cls(binds=binds, uid=uid, gid=gid)
+
+    @property
+    def tmp_binds(self) -> list[str]:
+        """Binds under /tmp (a repository cloned there, with its venv): every run mounts its own tmpfs on
+        /tmp, so each run binds these again on top of it (supervisor.py)."""
+        return [path for path in self.binds if _inside(path, "/tmp")]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

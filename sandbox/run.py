@@ -1,13 +1,14 @@
-"""One run on one worker, seen from the server: descriptors out, output and exit status back.
+"""One run on one worker, seen from the server: descriptors out, output and the supervisor's report back.
 
 The server creates the run's stdout/stderr pipes and a socket, hands their child ends to the worker
-(pool.Zygote.spawn: to the child it prepared ahead, else through its zygote) and streams the request
-(code, stdin, files) straight to that child (child.py), so the zygote never holds run data. Output is captured here up to a cap per stream (the rest
-is drained and counted, then a marker says how much was dropped). The zygote's exit report is the
-word on how a run ended when the child could not say it itself (timeout, OOM kill, `os._exit`). A child
-that finishes normally first kills and reaps every other process of its PID namespace, then reports,
-so the answer does not wait for the kernel to tear the namespaces down; the worker takes its next run
-only after the zygote has reaped this one. Cancelling `execute` (client gone) kills the run.
+(worker.Zygote.spawn: to the supervisor it prepared ahead, else through its zygote) and streams the
+request (code, stdin, files) to that supervisor (supervisor.py), so the zygote never holds run data.
+Output is captured here up to a cap per stream (the rest is drained and counted, then a marker says how
+much was dropped). The report comes from the supervisor, which the program cannot reach, and only once
+every process of the run is dead; so the output is complete when it arrives, and its status, return code,
+time and files are the supervisor's own observations. No report (the supervisor died, or the zygote's
+backstop killed it) is a failure of the sandbox. The worker takes its next run only after the zygote has
+reaped this one. Cancelling `execute` (client gone) kills the run.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandbox.child import SETUP_FAILED
 from sandbox.settings import Settings
 
 if TYPE_CHECKING:
-    from sandbox.pool import Zygote
+    from sandbox.worker import Zygote
 
-GRACE_S = 10.0  # beyond the run's own timeout, how long the zygote may take to report
+GRACE_S = 10.0  # beyond the run's own time, how long its setup, teardown and report may take
 F_SETPIPE_SZ = 1031
 
 
@@ -57,6 +57,7 @@ class Outcome:
     stderr: str = ""
     files: dict[str, str] = field(default_factory=dict)
     message: str = ""
+    refused: str = ""  # the request could not be set up (its files do not fit): server.py answers 413
 
 
 class OutputCapture:
@@ -124,12 +125,15 @@ class OutputCapture:
             self.done.set_result(None)
 
 
-def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: bool) -> dict[str, Any]:
+def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: bool,
+               cgroup_memory: bool) -> dict[str, Any]:
     return {
         "cpu_s": timeout_s + 1,
         "memory_mb": memory_mb,
-        # Single-uid fallback: the zygote shares the run's uid and counts against RLIMIT_NPROC.
-        "nproc": settings.max_processes + (2 if map_self else 0),
+        "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
+        # The next run's prepared process shares the uid (+1); in the single-uid fallback the zygote and the
+        # supervisors do too.
+        "nproc": settings.max_processes + (5 if map_self else 1),
         "nofile": settings.max_open_files,
         "fsize_mb": settings.max_file_size_mb,
         "fetch_bytes": settings.max_fetch_bytes,
@@ -168,12 +172,19 @@ def open_channels(settings: Settings, host_uid: int | None,
     return ours, [theirs.detach(), out_w, err_w], out, err
 
 
+def backstop_s(timeout_s: float) -> float:
+    """How long the zygote lets a run's supervisor live: its setup and its run may each take the run's
+    timeout, then it kills everything, reads files and reports."""
+    return 2 * timeout_s + GRACE_S
+
+
 async def execute(worker: Zygote, job: Job, settings: Settings, release: Callable[[Zygote], None]) -> Outcome:
     """Run `job` on `worker`; `release(worker)` is called once the zygote has reaped the run."""
     loop = asyncio.get_running_loop()
     run_id = uuid.uuid4().hex
     msg = {"op": "run", "id": run_id, "lang": job.language, "timeout": job.timeout_s,
-           "limits": limits_for(settings, job.timeout_s, job.memory_mb, worker.map_self)}
+           "backstop": backstop_s(job.timeout_s),
+           "limits": limits_for(settings, job.timeout_s, job.memory_mb, worker.map_self, worker.run_cgroup)}
     try:
         sock, child_fds, out, err = open_channels(settings, worker.host_uid(worker.uid))
     except OSError as e:  # e.g. out of descriptors: the worker goes back to the pool unused
@@ -196,17 +207,18 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
     sender = _send_now(loop, sock, payload)
     report = OutputCapture(os.dup(sock.fileno()), settings.max_report_bytes)
     try:
-        # EOF on the report socket comes either with the child's own report (it killed and reaped
-        # everything else first) or when it died (timeout, OOM, os._exit): then the zygote's word counts.
-        await asyncio.wait_for(asyncio.shield(report.done), job.timeout_s + GRACE_S)
-        child = _checked_report(report.data)
-        if isinstance(child.get("code"), int):
+        # EOF on the report socket: the supervisor's report is complete, or it died without one.
+        await asyncio.wait_for(asyncio.shield(report.done), backstop_s(job.timeout_s) + GRACE_S)
+        result = _checked_report(report.data)
+        if result is None:
+            final = await asyncio.wait_for(asyncio.shield(exited), GRACE_S)
             await _streams_closed(out, err)
-            return Outcome("Finished", child.get("time"), child["code"], out.take(), err.take(),
-                           files=child.get("files") or {})
-        final = await asyncio.wait_for(asyncio.shield(exited), GRACE_S)
+            why = "killed at its backstop deadline" if final.get("timed_out") else (
+                final.get("error") or f"exit status {final.get('code')}")
+            return Outcome("Error", final.get("elapsed"), stdout=out.take(), stderr=err.take(),
+                           message=f"the run's supervisor ended without a report ({why})")
         await _streams_closed(out, err)
-        return _outcome(final, child, out.take(), err.take())
+        return _outcome(result, out.take(), err.take(), settings)
     except asyncio.CancelledError:
         worker.control({"op": "kill", "id": run_id})  # the client left: end the run now
         raise
@@ -223,8 +235,8 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
 
 
 async def _streams_closed(out: OutputCapture, err: OutputCapture) -> None:
-    """Both outputs read to EOF. A child that finished closed them before reporting, so the rest is
-    already in the pipes; waiting (bounded) is only for a report forged while the program runs on."""
+    """Both outputs read to EOF. Every writer is dead when the supervisor reports, so the rest is already
+    in the pipes; the wait is bounded all the same."""
     for capture in (out, err):
         capture.drain()
         if not capture.done.done():
@@ -234,18 +246,18 @@ async def _streams_closed(out: OutputCapture, err: OutputCapture) -> None:
                 return
 
 
-def _outcome(final: dict[str, Any], child: dict[str, Any], stdout: str, stderr: str) -> Outcome:
-    elapsed = final.get("elapsed")
-    if final.get("error") or child.get("error"):
-        return Outcome("Error", elapsed, stdout=stdout, stderr=stderr,
-                       message=final.get("error") or child["error"])
-    if final.get("timed_out"):
-        return Outcome("TimeLimitExceeded", elapsed, None, stdout, stderr, message="run_timeout exceeded")
-    if final["code"] == SETUP_FAILED:
-        return Outcome("Error", elapsed, stdout=stdout, stderr=stderr,
-                       message="the sandbox could not prepare the run (details in the server log)")
-    return Outcome("Finished", elapsed, final["code"], stdout, stderr)
-
+def _outcome(report: dict[str, Any], stdout: str, stderr: str, settings: Settings) -> Outcome:
+    status, elapsed = report["status"], report.get("time")
+    if status == "refused":
+        return Outcome("Error", refused=report["error"])
+    if status == "error":
+        return Outcome("Error", elapsed, stdout=stdout, stderr=stderr, message=report["error"])
+    skipped = report.get("fetch_skipped") or {}
+    left_out = ", ".join(f"{name} ({size} bytes)" for name, size in skipped.items())
+    message = f"fetch_files over the {settings.max_fetch_bytes}-byte budget left out: {left_out}" if skipped else ""
+    if status == "timeout":
+        return Outcome("TimeLimitExceeded", elapsed, None, stdout, stderr, report["files"], message)
+    return Outcome("Finished", elapsed, report["code"], stdout, stderr, report["files"], message)
 
 def _send_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, payload: bytes) -> asyncio.Task[None] | None:
     """Send the request; a task finishes the job only when it does not fit the socket buffer."""
@@ -269,24 +281,20 @@ async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, payload: b
         pass  # the child is already gone (killed, or setup failed); its exit report says why
 
 
-def _checked_report(data: bytearray) -> dict[str, Any]:
-    """The child's report. Its socket is reachable by the program (fd 3), so the report is checked
-    like any input; garbage only spoils this run's own answer, and then the zygote's word decides."""
+def _checked_report(data: bytearray) -> dict[str, Any] | None:
+    """The supervisor's report, or None when there is none (it died before writing one)."""
     try:
-        report = json.loads(bytes(data) or b"{}")
+        report = json.loads(bytes(data) or b"null")
     except ValueError:
-        return {}
-    if not isinstance(report, dict):
-        return {}
-    check_files_and_time(report)
-    if not isinstance(report.get("error", ""), str):
-        report["error"] = "the run's report was malformed"
+        return None
+    if not isinstance(report, dict) or report.get("status") not in ("finished", "timeout", "error", "refused"):
+        return None
     return report
 
 
 def check_files_and_time(report: dict[str, Any]) -> None:
-    """Reset a child's `files` (a dict of strings) and `time` (a number) where they are not that: reports
-    and session replies come over a socket the program can write to."""
+    """Reset a session reply's `files` (a dict of strings) and `time` (a number) where they are not that:
+    session replies come from the session's own process, which runs the session's code."""
     files = report.get("files") or {}
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         report["files"] = {}

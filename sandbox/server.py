@@ -2,8 +2,10 @@
 
 `create_app(settings)` builds the FastAPI app around a backend (backend.py). This module is the input
 boundary: bodies over `max_request_bytes` and code over `max_code_bytes` -> 413, malformed or mistyped
-fields -> 422 naming the field, an unsupported language -> 400, a missing or wrong bearer token -> 401,
-every worker busy with a full queue -> 503 with Retry-After, too many sessions -> 429. A client that
+fields -> 422 naming the field, an unsupported language -> 400, `files` that do not fit a run's /tmp
+(inodes, bytes, the file size limit, the memory budget that counts them) -> 413 naming the limit, a
+missing or wrong bearer token -> 401, every worker busy with a full queue -> 503 with Retry-After, too
+many sessions -> 429. A client that
 disconnects mid-run gets its run killed. Run outcomes map onto SandboxFusion's statuses (`to_response`).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import posixpath
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -37,7 +40,8 @@ from sandbox.models import (
 from sandbox.pool import Overloaded
 from sandbox.run import Job, Outcome
 from sandbox.sessions import SessionError, SessionManager
-from sandbox.settings import Settings
+from sandbox.settings import MB, Settings
+from sandbox.supervisor import inodes_for
 
 log = logging.getLogger("sandbox.server")
 T = TypeVar("T")
@@ -187,10 +191,14 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
             raise HTTPError(400, f"language {req.language!r} is not supported here; supported: "
                                  f"{', '.join(SUPPORTED_LANGUAGES)}")
         _check_code_size(req.code, settings)
+        memory_mb = settings.clamp_memory(req.memory_limit_MB)
+        _check_files_fit(req.files, settings, memory_mb)
         job = Job(code=req.code, language=req.language, timeout_s=settings.clamp_timeout(req.run_timeout),
-                  memory_mb=settings.clamp_memory(req.memory_limit_MB), stdin=req.stdin, files=req.files,
-                  fetch_files=req.fetch_files, args=req.args)
+                  memory_mb=memory_mb, stdin=req.stdin, files=req.files, fetch_files=req.fetch_files,
+                  args=req.args)
         outcome = await until_disconnect(backend.run(job), request)
+        if outcome.refused:
+            raise HTTPError(413, outcome.refused)
         return Response(to_response(outcome).model_dump_json(), media_type="application/json")
 
     def sessions() -> SessionManager:
@@ -242,6 +250,32 @@ def _parse(model: type[M], body: bytes) -> M:
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}
     return {"requestBody": schema}
+
+
+def _check_files_fit(files: dict[str, str | None], settings: Settings, memory_mb: int) -> None:
+    """`files` must fit the run's /tmp: its inodes (the files, the directories holding them, the program
+    file), its size (whole 4 KiB pages per file), the per-file size limit, and the memory budget, which
+    counts /tmp's pages too."""
+    written = {posixpath.normpath(p): c for p, c in files.items() if c is not None}
+    directories = {d for p in written for d in _parents(p)}
+    inodes = inodes_for(settings.disk_mb) - 16  # the working dir, the program file, the run's own room
+    if len(written) + len(directories) > inodes:
+        raise HTTPError(413, f"files: {len(written)} files in {len(directories)} directories need more inodes "
+                             f"than a run's /tmp has ({inodes} for files; --disk-mb {settings.disk_mb} gives 64 per MB)")
+    sizes = {p: len(c) // 4 * 3 - c[-2:].count("=") for p, c in written.items()}
+    largest = max(sizes, key=sizes.__getitem__, default=None)
+    if largest is not None and sizes[largest] > settings.max_file_size_mb * MB:
+        raise HTTPError(413, f"files: {largest!r} is {sizes[largest]} bytes; the file size limit is "
+                             f"{settings.max_file_size_mb} MB")
+    total = sum(-(-size // 4096) * 4096 for size in sizes.values())
+    if total > min(settings.disk_mb, memory_mb) * MB:
+        raise HTTPError(413, f"files: {total} bytes (in 4 KiB pages) exceed a run's /tmp of {settings.disk_mb} MB"
+                             f" or its memory budget of {memory_mb} MB, which counts /tmp")
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _check_code_size(code: str, settings: Settings) -> None:

@@ -1,8 +1,8 @@
 """Stateful Python sessions: one long-lived confined child per session, globals kept across calls.
 
-A session is a child (child.py, `_session_loop`) forked by a dedicated zygote (pool.Zygote with
-`sessions=True`), confined like a run plus its own network namespace and its own uid, so sessions can
-neither see nor signal nor reach each other. Calls go over the session's socket as length-prefixed
+A session is a supervisor (supervisor.py) with one program process (program.py, `session_loop`), forked
+by a dedicated zygote (worker.Zygote with `sessions=True`), confined like a run and with its own uid, so
+sessions can neither see nor signal nor reach each other. Calls go over the session's socket as length-prefixed
 frames; stdout/stderr are per call. A call over its `run_timeout` is interrupted (SIGINT ->
 KeyboardInterrupt, the session survives); one that ignores the interrupt for `INTERRUPT_GRACE_S` takes its
 session down. Sessions unused for their idle timeout are closed; at most `max_sessions` live at once.
@@ -23,10 +23,10 @@ from typing import Any
 
 from sandbox.cgroups import CgroupSet
 from sandbox.models import SessionRunRequest
-from sandbox.pool import Zygote
 from sandbox.run import Outcome, OutputCapture, ZygoteDied, check_files_and_time, limits_for, open_channels
 from sandbox.settings import Settings
 from sandbox.wire import FRAME_HEADER, encode_frame
+from sandbox.worker import Zygote
 
 INTERRUPT_GRACE_S = 2.0
 
@@ -58,8 +58,9 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, settings: Settings, cgroups: CgroupSet | None) -> None:
+    def __init__(self, settings: Settings, cgroups: CgroupSet | None, uid_base: int) -> None:
         self.settings = settings
+        self.uid_base = uid_base
         self.zygote = self._new_zygote(cgroups)
         self.sessions: dict[str, Session] = {}
         self._starting = 0  # sessions being created: they hold a slot across the awaits of create()
@@ -71,7 +72,7 @@ class SessionManager:
 
     def _new_zygote(self, cgroups: CgroupSet | None) -> Zygote:
         s = self.settings
-        zygote = Zygote("sessions", s.session_uid, s, cgroups, sessions=True,
+        zygote = Zygote("sessions", s.session_uid, s, cgroups, self.uid_base, sessions=True,
                         cgroup_memory_mb=s.sessions_memory_mb, cgroup_pids=s.max_sessions * s.max_processes)
         zygote.on_death = self._on_death
         return zygote
@@ -128,7 +129,7 @@ class SessionManager:
             sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
         except OSError as e:
             raise SessionError(503, f"could not start a session: {e}") from None
-        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self)
+        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self, False)
         try:
             exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
         except ZygoteDied as e:

@@ -39,7 +39,7 @@ class Settings:
     disk_mb: int = 256  # tmpfs /tmp (holding the working dir) per run
 
     single_uid: bool = False  # force the unprivileged-host fallback (one uid, no capabilities) as root
-    uid_base: int = 2_000_000_000  # host uids base..base+65535 back the namespace's uids (root only)
+    uid_base: int = 2_000_000_000  # first host uid block (65536 uids) tried for the namespace's uids (root only)
     run_uid: int = 1000  # inside uid of worker i's runs is run_uid + i
     session_uid: int = 20000  # inside uid of the k-th session is session_uid + k % 40000
     preload: tuple[str, ...] = (

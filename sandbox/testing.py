@@ -3,7 +3,7 @@
 Used by tests/test_sandbox*.py and bench/bench_sandbox.py: `ServerProcess` starts
 `python -m sandbox serve` on a free loopback port and waits for /health by polling; `leftovers` lists
 processes running under the sandbox's uids (runs and sessions) and the service's process count, so a test
-can wait until every run's processes are gone.
+can wait until every run's processes are gone; `sandbox_uid_processes` lists them at once.
 """
 
 from __future__ import annotations
@@ -43,30 +43,40 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def _status(pid: str) -> dict[str, str] | None:
+def _stat(pid: str) -> tuple[int, int, int, str, str] | None:
+    """(uid, parent pid, start time, name, state) of a process, or None once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return dict(line.split(":", 1) for line in f if ":" in line)
-    except (FileNotFoundError, ProcessLookupError):
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
         return None
+    return (int(status["Uid"].split()[0]), int(status["PPid"]), started, status["Name"].strip(),
+            status["State"].strip())
 
 
 def sandbox_uid_processes(uid_base: int = Settings().uid_base) -> list[str]:
-    """Processes a run or session started: a sandbox uid (inside uid >= 1000) whose parent is not a
-    zygote. (The zygote's own children, one waiting for the next run per worker, and live sessions, are
-    the service's; `ServerProcess.leftovers` counts them through the process-tree size instead.)"""
-    found = []
-    for entry in os.listdir("/proc"):
-        status = _status(entry) if entry.isdigit() else None
-        if status is None:
+    """Processes a run or session started and left: under a sandbox uid (inside uid >= 1000), either the
+    child of another such process, or a second child of a run's supervisor (PID 1 of the run: a child of
+    a zygote, both at the namespace's uid 0, `uid_base` outside). Not listed: each supervisor's first
+    child, the program's process (prepared for the next run, or a live session's)."""
+    table = {int(e): info for e in os.listdir("/proc") if e.isdigit() and (info := _stat(e)) is not None}
+
+    def run_uid(uid: int) -> bool:
+        return uid_base + 1000 <= uid < uid_base + 65536
+
+    found, first_child = [], {}
+    for pid, (uid, ppid, _started, name, state) in sorted(table.items(), key=lambda item: item[1][2]):
+        if not run_uid(uid):
             continue
-        uid = int(status["Uid"].split()[0])
-        if not uid_base + 1000 <= uid < uid_base + 65536:
+        parent = table.get(ppid)
+        grandparent = table.get(parent[1]) if parent else None
+        is_supervisor = parent is not None and grandparent is not None and parent[0] == grandparent[0] == uid_base
+        if is_supervisor and first_child.setdefault(ppid, pid) == pid:
             continue
-        parent = _status(status["PPid"].strip())
-        if parent is not None and int(parent["Uid"].split()[0]) == uid_base:
-            continue  # a zygote's direct child: a run's PID 1, a prepared child or a session
-        found.append(f"pid {entry} uid {uid - uid_base} {status['Name'].strip()} {status['State'].strip()}")
+        if is_supervisor or (parent is not None and run_uid(parent[0])):
+            found.append(f"pid {pid} uid {uid - uid_base} {name} {state}")
     return found
 
 
@@ -74,7 +84,8 @@ class ServerProcess:
     """`with ServerProcess("--workers", "2") as server: httpx.post(server.url + "/run_code", ...)`."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, token: str | None = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 120.0, python: str = sys.executable) -> None:
+        self.python = python
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -84,12 +95,23 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.baseline = 0
 
+    def run_code(self, code: str, language: str = "python", run_timeout: float = 5, **fields: object,
+                 ) -> httpx.Response:
+        """POST /run_code (with this server's token, if any)."""
+        body = {"code": code, "language": language, "run_timeout": run_timeout, **fields}
+        return httpx.post(self.url + "/run_code", json=body, headers=self.headers, timeout=120)
+
+    @property
+    def cgroup_memory(self) -> bool:
+        """Whether the server limits a run's real memory with a cgroup (else its address space)."""
+        return "cgroup" in httpx.get(self.url + "/health", timeout=10).json()["isolation"]["memory"]
+
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def __enter__(self) -> ServerProcess:
-        command = [sys.executable, "-m", "sandbox", "serve", "--port", str(self.port), *self.args]
+        command = [self.python, "-m", "sandbox", "serve", "--port", str(self.port), *self.args]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sandbox-{self.port}.log"), "w+b")
         self.proc = subprocess.Popen(command, cwd=root, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -99,6 +121,8 @@ class ServerProcess:
             tail = self.log_tail()
             self.__exit__(None, None, None)
             raise RuntimeError(f"{e}\n{tail}") from None
+        isolation = httpx.get(self.url + "/health", timeout=10).json().get("isolation", {})
+        self.uid_base = isolation.get("host_uid_base") or Settings().uid_base
         self.baseline = self.settled_process_count()
         return self
 
@@ -140,7 +164,7 @@ class ServerProcess:
         while True:
             health = httpx.get(self.url + "/health", timeout=10).json()
             busy = health.get("alive", 0) - health.get("idle", 0)
-            stray = sandbox_uid_processes()
+            stray = sandbox_uid_processes(self.uid_base)
             extra = len(descendants(self.proc.pid)) - self.baseline
             if not stray and extra <= 0 and busy <= 0:
                 return []

@@ -1,5 +1,5 @@
 """The byte formats spoken between the server (pool.py, sessions.py), the zygotes (zygote.py) and the
-confined children (child.py).
+confined runs (supervisor.py, program.py).
 
 Control messages travel on a SOCK_SEQPACKET socket, one JSON object per packet, with file descriptors
 attached as SCM_RIGHTS. Session calls travel on a stream socket as length-prefixed JSON frames. A one-shot

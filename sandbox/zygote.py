@@ -7,13 +7,14 @@ scrubbed environment. Two processes result:
   captures host handles with the host credentials it still carries (rootfs.HostSnapshot), lets the server
   write its uid/gid maps (or writes a single-uid map itself when the server is not root), forks the
   zygote and waits for it;
-* the zygote is PID 1 of that PID namespace: it becomes root of its user namespace, builds and pivots
-  into the read-only root (rootfs.build_root), forbids nested user namespaces, pre-imports
-  math/numpy/sympy, freezes the GC, then serves control messages. A run worker keeps one child
-  (child.py, PID 1 of a fresh nested PID namespace) forked and prepared ahead; "run" hands it the run's
-  descriptors and starts its deadline, and the next child is forked once that one has been reaped. The
-  sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's exit is
-  reported with its status, whether it hit its deadline, and its wall time.
+* the zygote is PID 1 of that PID namespace: it becomes root of its user namespace, takes a fresh
+  session keyring, builds and pivots into the read-only root (rootfs.build_root), forbids nested user
+  namespaces, pre-imports math/numpy/sympy, freezes the GC, then serves control messages. A run worker
+  keeps one child (supervisor.py, PID 1 of a fresh nested PID namespace, with the program's process it
+  forks) forked and prepared ahead; "run" hands it the run's descriptors and starts a backstop deadline
+  (the supervisor enforces the run's own timeout), and the next child is forked right away, to be
+  prepared while that run goes on. The sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's
+  exit is reported with its status, whether the backstop killed it, and its wall time.
 
 The zygote never reads a run's code, input or output (they go straight between the server and the
 child), so nothing of one run stays in the memory that later runs are forked from. If the launcher or the
@@ -34,7 +35,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from sandbox import child, libc  # child: imported now, its file is not visible after pivot_root
+from sandbox import libc, program, supervisor  # imported now: their files are not visible after pivot_root
 from sandbox.rootfs import HostSnapshot, RootSpec, build_root
 from sandbox.wire import recv_msg, send_msg
 
@@ -60,9 +61,10 @@ def main() -> NoReturn:
         # credentials we still carry, which can traverse paths such as a 0700 /root.
         snap = HostSnapshot.capture(RootSpec(**config["root"]))
         send_msg(ctl, {"op": "unshared"})
-        reply, _ = recv_msg(ctl)
+        reply, fds = recv_msg(ctl)  # with the run cgroup's cgroup.procs, opened by the server
         if reply is None:
             os._exit(1)
+        config["child"]["cgroup_fd"] = fds[0] if fds else None
         if config["map_self"]:  # unprivileged server: only our own uid can be mapped (to 0 inside)
             for name, text in (("setgroups", "deny"), ("uid_map", f"0 {host_uid} 1"),
                                ("gid_map", f"0 {host_gid} 1")):
@@ -94,6 +96,7 @@ def _zygote_main(ctl: socket.socket, config: dict[str, Any], snap: HostSnapshot)
         os.setresuid(0, 0, 0)
         libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid: credential changes clear it
         libc.prctl(libc.PR_SET_DUMPABLE, 1)  # likewise reset by setresuid; /proc/self/* must stay ours
+        libc.join_new_session_keyring()  # nothing below us holds the keyring the server came with
         socket.sethostname(snap.spec.hostname)
         build_root(snap)
         # Runs may not create user namespaces of their own: no capabilities regained inside a nested
@@ -111,7 +114,7 @@ def _zygote_main(ctl: socket.socket, config: dict[str, Any], snap: HostSnapshot)
                 exec(snippet, {})  # first calls that pull in lazily imported submodules (sympy's printers)
             except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a requirement
                 missing.append(f"warm-up failed: {e}")
-        child.locate_numpy_state()
+        program.locate_numpy_state()
         gc.collect()
         gc.freeze()  # forked children then never touch (copy) the pages of these objects for GC
         libc.collapse_to_huge_pages()  # fork and reap by 2 MB page-table entries, not 4 KB ones
@@ -165,7 +168,9 @@ class _Zygote:
                     os.kill(c.pid, signal.SIGKILL)  # PID 1 of its namespace: takes all of it along
 
     def _replenish(self) -> None:
-        """Fork the next run's child now, so that its preparation is off the next request's path."""
+        """Fork the next run's child as soon as the last one was handed a run, so that its preparation
+        overlaps that run, off the next request's path. The two share only the worker's uid and cgroup:
+        each has its own PID, mount, network and IPC namespaces, so neither can see or reach the other."""
         if self.prefork and self.spare is None and self.spare_failures < 3:
             try:
                 self.spare = self._fork()
@@ -191,9 +196,9 @@ class _Zygote:
             raise
         if pid == 0:
             try:  # never return into the zygote's loop, whatever the program did to the interpreter
-                child.main(self.static, theirs.fileno(), inherited)
+                supervisor.main(self.static, theirs.fileno(), inherited)
             finally:
-                os._exit(child.SETUP_FAILED)
+                os._exit(program.SETUP_FAILED)
         libc.setns(self.own_pidns, libc.CLONE_NEWPID)
         theirs.close()
         pidfd = os.pidfd_open(pid)
@@ -241,6 +246,7 @@ class _Zygote:
         for fd in fds:
             os.close(fd)
         self._assign(c, msg)
+        self._replenish()
 
     def _claimed(self, msg: dict[str, Any]) -> None:
         c = next((c for c in self.children.values() if c.key == msg["spare"] and c.id is None), None)
@@ -253,13 +259,14 @@ class _Zygote:
         if c is self.spare:
             self.spare = None
         self._assign(c, msg)
+        self._replenish()
 
     @staticmethod
     def _assign(c: _Child, msg: dict[str, Any]) -> None:
         """`c` now runs `msg`'s run: its id, start and deadline; our end of its channel is closed."""
-        timeout = msg.get("timeout")
+        backstop = msg.get("backstop")
         c.id, c.started = msg["id"], time.monotonic()
-        c.deadline = c.started + timeout if timeout else None
+        c.deadline = c.started + backstop if backstop else None
         if c.channel is not None:
             c.channel.close()
             c.channel = None

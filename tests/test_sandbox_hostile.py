@@ -14,12 +14,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sandbox.testing import ServerProcess
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
+FIND_SECRET = f"{SECRET[::-1]!r}[::-1]"  # the secret in a program's code that does not hold it (its own file)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,8 +35,7 @@ def server(tmp_path_factory) -> ServerProcess:
 
 
 def run(server: ServerProcess, code: str, language: str = "python", **fields) -> dict:
-    body = {"code": code, "language": language, "run_timeout": fields.pop("run_timeout", 5), **fields}
-    response = httpx.post(server.url + "/run_code", json=body, timeout=60)
+    response = server.run_code(code, language, **fields)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -64,8 +63,11 @@ def test_fork_bomb(server, contained):
 def test_memory_bomb(server, contained):
     body = run(server, "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))",
                memory_limit_MB=256)
-    assert body["run_result"]["return_code"] == 1 and "MemoryError" in body["run_result"]["stderr"]
-    # Several processes each under their own address-space limit: the cgroup caps their sum.
+    if server.cgroup_memory:  # the run's real memory is counted: the OOM killer ends it
+        assert body["run_result"]["return_code"] == -9, body
+    else:  # its address space is limited: allocation fails
+        assert body["run_result"]["return_code"] == 1 and "MemoryError" in body["run_result"]["stderr"]
+    # Several processes: the cgroup caps their sum (each alone is under the budget).
     # 8 x 200 MB touched under 256 MB: the cgroup's OOM killer must SIGKILL some of them (without the cgroup
     # cap all 8 exit 0). The parent, small, normally reports; if it is the one killed, its run says so.
     code = ("import os\nfor _ in range(8):\n    if os.fork() == 0:\n        b = bytearray(200 * 1024 * 1024)\n"
@@ -117,7 +119,7 @@ for path in ['/etc/shadow', '/etc/gshadow', {REPO + '/pyproject.toml'!r}, {REPO 
     print(path, os.path.exists(path))
 for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline'):
     try:
-        if {SECRET!r}.encode() in open(path, 'rb').read():
+        if {FIND_SECRET}.encode() in open(path, 'rb').read():
             hits.append(path)
     except OSError:
         pass
@@ -126,16 +128,17 @@ for root, dirs, files in os.walk('/', onerror=lambda e: None):
     dirs[:] = [d for d in dirs if os.path.join(root, d) not in skip]
     for name in files:
         try:
-            if {SECRET!r}.encode() in open(os.path.join(root, name), 'rb').read(1 << 20):
+            if {FIND_SECRET}.encode() in open(os.path.join(root, name), 'rb').read(1 << 20):
                 hits.append(os.path.join(root, name))
         except OSError:
             pass
 repo = [n for n in ('pyproject.toml', 'sandbox', 'agentrl', 'tests') if os.path.exists(os.path.join({REPO!r}, n))]
-print('hits', hits, {SECRET!r} in str(os.environ), sorted(e for e in os.listdir('/proc') if e.isdigit()), repo)
+print('hits', hits, {FIND_SECRET} in str(os.environ), sorted(e for e in os.listdir('/proc') if e.isdigit()), repo)
 """
     lines = out(run(server, code, run_timeout=30)).splitlines()
     assert all(line.endswith(" False") for line in lines[:-1]), lines
-    assert lines[-1] == "hits [] False ['1'] []", lines[-1]  # no secret, no other process, no source tree
+    # no secret, no process but the run's supervisor (1) and the program (2), no source tree
+    assert lines[-1] == "hits [] False ['1', '2'] []", lines[-1]
 
 
 def test_network_is_unreachable(server, contained):
@@ -212,7 +215,7 @@ while time.time() < end:
     for pattern in ['/tmp/**', '/proc/*/cwd/**', '/proc/*/root/tmp/**', '/dev/shm/**']:
         for path in glob.glob(pattern, recursive=True):
             try:
-                if os.path.isfile(path) and {SECRET!r} in open(path, errors='ignore').read():
+                if os.path.isfile(path) and {FIND_SECRET} in open(path, errors='ignore').read():
                     found.add(path)
             except OSError:
                 pass
@@ -230,7 +233,7 @@ print('found', sorted(found), start, time.time())
 
 def test_cgroup_v1_swap_limit_follows_the_memory_limit():
     """Where swap is accounted (cgroup v1 memsw), a run's memory+swap limit is its memory limit, also
-    after a request lowers or raises it: no swapping around the budget."""
+    after a request lowers or raises it: no swapping around the budget. Likewise the worker's own cap."""
     from sandbox.cgroups import CgroupSet
 
     cgroups, why = CgroupSet.create()
@@ -239,16 +242,17 @@ def test_cgroup_v1_swap_limit_follows_the_memory_limit():
     worker = f"test-{uuid.uuid4().hex[:8]}"
     path = os.path.join(cgroups.groups["memory"], worker)
     try:
-        cgroups.make(worker, 1 << 30, 16)
+        cgroups.make(worker, 4 << 30, 16, 1 << 30)
         if not os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
             pytest.skip("this kernel does not account swap (no memory.memsw.limit_in_bytes)")
 
-        def limits() -> tuple[int, int]:
-            return tuple(int(open(os.path.join(path, f)).read())
+        def limits(group: str) -> tuple[int, int]:
+            return tuple(int(open(os.path.join(group, f)).read())
                          for f in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
 
+        assert limits(path) == (4 << 30, 4 << 30)
         for mb in (512, 2048, 256):
-            cgroups.set_memory(worker, mb << 20)
-            assert limits() == (mb << 20, mb << 20)
+            cgroups.set_run_memory(worker, mb << 20)
+            assert limits(os.path.join(path, "run")) == (mb << 20, mb << 20)
     finally:
         cgroups.destroy()

@@ -58,6 +58,16 @@ def test_session_keeps_state_across_calls(server):
     assert server.leftovers() == []
 
 
+def test_session_code_is_not_pid_1(server):
+    """The session's code is a plain process under the session's supervisor: its own SIGTERM ends it."""
+    sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
+    assert session_run(server, sid, "import os\nprint(os.getpid())")["run_result"]["stdout"] == "2\n"
+    ended = session_run(server, sid, "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')")
+    assert ended["run_result"]["return_code"] == 128 + 15 and ended["message"] == "the session ended; its state is gone"
+    assert call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1"}).status_code == 404
+    assert server.leftovers() == []
+
+
 def test_session_that_ignores_the_interrupt_is_closed(server):
     sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
     body = session_run(server, sid, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
@@ -121,9 +131,13 @@ def test_overload_answers_503(server):
         _health_until(server, lambda h: h["queued"] == 1, "B never queued")
         refused = [call(server, "POST", "/run_code", json={"code": "print(3)", "language": "python"}) for _ in range(2)]
         assert [r.status_code for r in refused] == [503, 503]
+        waiting = call(server, "GET", "/health").json()["queue_wait_s"]
         assert a.result().json()["run_result"]["status"] == "TimeLimitExceeded"
         assert b.result().json()["run_result"]["stdout"] == "2\n"
     assert refused[0].headers["retry-after"] == "1" and "overloaded" in refused[0].json()["detail"]
+    waited = call(server, "GET", "/health").json()["queue_wait_s"]  # B waited for A's whole run
+    assert waiting["longest_now"] > 0 and waited["longest_now"] == 0 and waited["limit"] == 60
+    assert waited["max_since_start"] >= waiting["longest_now"] and waited["samples"] >= 2
     assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
 
 
@@ -149,7 +163,7 @@ def test_client_disconnect_kills_the_run(server):
             client.sendall(b"POST /run_code HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
             deadline = time.monotonic() + 30
-            while not sandbox_uid_processes():  # the run's fork (its first process is the zygote's child)
+            while not sandbox_uid_processes(server.uid_base):  # the fork of the run's program
                 assert time.monotonic() < deadline, "the run's forked process never appeared"
                 time.sleep(0.01)  # a polling interval: the process table is read each time
         assert server.leftovers(timeout=30) == []  # both processes gone, long before run_timeout
@@ -284,7 +298,7 @@ def test_running_out_of_descriptors_leaks_nothing_and_frees_the_worker(monkeypat
     monkeypatch.setattr(run_module.os, "pipe2", failing_second_pipe)
 
     class Worker:  # never reached: spawn would need the descriptors
-        uid, map_self = 1000, False
+        uid, map_self, run_cgroup = 1000, False, False
 
         def host_uid(self, uid):
             return None
