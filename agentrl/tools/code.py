@@ -3,8 +3,8 @@
 `CodeTool` implements the Tool protocol (tools/__init__.py): `call(ToolCall("python", {"code": ...}))`
 posts SandboxFusion's `/run_code` request, so it works against our sandbox and against a real
 SandboxFusion server alike, and turns the answer into a `ToolResult` (agentrl/types.py). It never raises
-for a failure (DESIGN.md invariant 4): a non-zero exit is `execution_error`, a time limit `timeout`,
-a refused request `http_<code>`, an unreachable service `connection`, a sandbox-side failure
+for a failure (a failed call is an observation the model sees): a non-zero exit is `execution_error`, a
+time limit `timeout`, a refused request `http_<code>`, an unreachable service `connection`, a sandbox-side failure
 `sandbox_error`, each with a text the model sees. Connection errors and 5xx/429 answers are retried a
 bounded number of times with jittered backoff (honouring Retry-After); at most `concurrency` requests
 are in flight. `CodeTool.session()` opens a stateful session (our sandbox only: `/sessions`).
