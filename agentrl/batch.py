@@ -14,6 +14,7 @@ The trainer calls `build_batch` once per step and hands the mini-batches to the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,15 +48,8 @@ def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
     """Row indices of `parts` mini-batches of whole groups, in order, as even as the groups allow."""
     parts = min(parts, len(groups))
     bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
-    rows, start = [], 0
-    starts = []
-    for g in groups:
-        starts.append(start)
-        start += len(g.trajectories)
-    starts.append(start)
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        rows.append(list(range(starts[a], starts[b])))
-    return rows
+    starts = [0, *itertools.accumulate(len(g.trajectories) for g in groups)]  # first row of each group
+    return [list(range(starts[a], starts[b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int, mini_batches: int, policy: Any,

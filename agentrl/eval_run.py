@@ -18,7 +18,7 @@ from typing import Any
 
 from agentrl.benchmarks import resolve
 from agentrl.config import ConfigError, atomic_write_text
-from agentrl.evaluate import evaluate, summarize
+from agentrl.evaluate import answer_format, evaluate, summarize
 from agentrl.rewards import build_reward
 from agentrl.run import append_jsonl
 from agentrl.task import Budgets, Task, TaskSpec, ToolsSpec
@@ -36,27 +36,21 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
                    temperature: float, seed: int = 0, data_dir: str | None = None, limit: int | None = None,
                    no_tools: bool = False, tool_urls: dict[str, str] | None = None,
                    progress: bool = True) -> dict[str, dict[str, float]]:
-    from agentrl.tools.code import CodeTool
+    from agentrl.tools import build_tools
     from agentrl.tools.formats import build_format
-    from agentrl.tools.search import SearchTool
 
     if no_tools:
         spec = without_tools(spec)
     out.mkdir(parents=True, exist_ok=True)
-    urls = tool_urls or {}
-    tools: dict[str, Any] = {}
-    if "python" in spec.tools.names:
-        tools["python"] = CodeTool(urls["python"])
-    if "search" in spec.tools.names:
-        tools["search"] = SearchTool(urls["search"])
+    tools = build_tools({name: (tool_urls or {})[name] for name in spec.tools.names})
     fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars)
     results: dict[str, dict[str, float]] = {}
     try:
-        qa_task = spec.reward.name in ("qa_em", "qa_f1")
+        task_format = answer_format(spec.reward.name)
         for bench, dataset in resolve(benchmarks, data_dir, limit, spec.dataset):
             if bench.name == "task":
-                bench = dataclasses.replace(bench, kind="qa" if qa_task else "math")
-            if (bench.kind == "qa") != qa_task:
+                bench = dataclasses.replace(bench, kind="qa" if task_format == "answer-tag" else "math")
+            if (bench.kind == "qa") != (task_format == "answer-tag"):
                 raise ConfigError(f"--benchmarks {bench.name} is a {bench.kind} benchmark, and the task's reward "
                                   f"is {spec.reward.name!r}: pass a {bench.kind} task (e.g. tasks/"
                                   f"{'search_r1' if bench.kind == 'qa' else 'torl_math'}.yaml)")
@@ -67,12 +61,11 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
             todo = [p for p in prompts if p.id not in {r["prompt_id"] for r in records}]
             reward = build_reward(spec.reward.name, spec.reward.params)
             extra = build_reward("qa_f1", {}) if bench.kind == "qa" else None
-            answer_format = "answer-tag" if bench.kind == "qa" else "boxed"
             bar = _Bar(bench.name, len(prompts) * n, len(records)) if progress else None
             for i in range(0, len(todo), CHUNK_PROMPTS):
                 result = await evaluate(todo[i:i + CHUNK_PROMPTS], engine=engine, fmt=fmt, tools=tools,
                                         budgets=spec.budgets, tokenizer=tokenizer, reward=reward, n=n,
-                                        temperature=temperature, seed=seed, answer_format=answer_format,
+                                        temperature=temperature, seed=seed, answer_format=task_format,
                                         extra=extra, on_done=bar.tick if bar else None)
                 append_jsonl(path, [{"benchmark": bench.name, **r} for r in result.records])
                 records += result.records

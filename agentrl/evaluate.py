@@ -48,6 +48,11 @@ def majority_correct(answers: Sequence[str | None], verdicts: Sequence[bool]) ->
     return bool(verdicts[answers.index(winner)])
 
 
+def answer_format(reward_name: str) -> str:
+    """How a task's reward reads the final answer: `answer-tag` (the QA rewards) or `boxed` (math)."""
+    return "answer-tag" if reward_name in ("qa_em", "qa_f1") else "boxed"
+
+
 def extract_answer(response: str, answer_format: str) -> str | None:
     """The response's final answer, normalised for voting: `boxed` (math) or `answer-tag` (QA)."""
     if answer_format == "boxed":

@@ -216,9 +216,6 @@ class RunDir:
     def log_prompt_stats(self, records: list[dict[str, Any]]) -> None:
         append_jsonl(self.prompt_stats_path, records)
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.metrics_path)
-
     def truncate_logs(self, last_step: int) -> None:
         """Keep only the lines of steps <= `last_step` (a resumed run redoes the steps after it)."""
         for path in (self.metrics_path, self.prompt_stats_path):

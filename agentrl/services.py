@@ -17,10 +17,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from agentrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from agentrl.run import ServicesConfig
 
 
 def free_port() -> int:
@@ -103,10 +107,7 @@ class ServiceProcess:
 class Services:
     """The URLs of the services a task's tools need, starting the `auto` ones."""
 
-    def __init__(self, tools: list[str], config: object, log_dir: Path) -> None:
-        from agentrl.run import ServicesConfig
-
-        assert isinstance(config, ServicesConfig)
+    def __init__(self, tools: list[str], config: ServicesConfig, log_dir: Path) -> None:
         self.urls: dict[str, str] = {}
         self.managed: dict[str, ServiceProcess] = {}
         wanted = {"python": ("sandbox", config.sandbox), "search": ("retriever", config.retriever)}
@@ -124,7 +125,6 @@ class Services:
                 args = ["--index", config.retriever_index]
             self.managed[tool] = ServiceProcess(module, args, log_dir, config.startup_timeout_s)
             self.urls[tool] = self.managed[tool].url
-        self._started = False
 
     def start(self) -> None:
         try:
@@ -133,7 +133,6 @@ class Services:
         except BaseException:
             self.stop()
             raise
-        self._started = True
 
     def revive(self) -> dict[str, float]:
         """Restart any auto service that died; metrics `services/<name>_restarts` (cumulative)."""

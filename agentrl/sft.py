@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -132,7 +131,7 @@ def sft(config: SFTConfig) -> RunDir:
     """Fine-tune `config.model` on `config.data`; resumes from its run dir's latest checkpoint."""
     from agentrl.learner.policy import PolicyWorker
     from agentrl.task import load_tokenizer
-    from agentrl.trainer import build_lm
+    from agentrl.trainer import PromptSampler, build_lm
 
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path or "", option="model.tokenizer")
     data = read_trajectories(config.data, tokenizer)
@@ -150,10 +149,9 @@ def sft(config: SFTConfig) -> RunDir:
     write_resolved(config, run_dir.root)
     with MetricsLog(run_dir, config.logging, step, total, config) as log:
         while step < total:
-            epoch, index = divmod(step, steps_per_epoch)
-            order = list(range(len(data)))
-            random.Random(t.seed * 1_000_003 + epoch).shuffle(order)
-            batch_rows = [data[i] for i in order[index * t.batch_size:(index + 1) * t.batch_size]]
+            # the trainer's seeded permutation per epoch; its position follows from the step
+            epoch, index = divmod(step * t.batch_size, len(data))
+            batch_rows = [tr for _, tr in PromptSampler(data, t.seed, epoch, index).take(t.batch_size)]
             step += 1
             start = time.perf_counter()
             batch = pack(batch_rows, config.learner.token_budget, policy.ctx.world_size)[policy.ctx.rank]

@@ -21,8 +21,8 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -31,7 +31,7 @@ from agentrl.batch import build_batch
 from agentrl.config import write_resolved
 from agentrl.engine import maybe_await
 from agentrl.engine.hf import HFEngine
-from agentrl.evaluate import evaluate
+from agentrl.evaluate import answer_format, evaluate
 from agentrl.learner.critic import CriticWorker
 from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
@@ -40,17 +40,19 @@ from agentrl.rollout import dump_trajectories, rollout, rollout_metrics
 from agentrl.run import MetricsLog, RunConfig, RunDir
 from agentrl.services import Services
 from agentrl.task import Task, load_tokenizer
-from agentrl.tools.code import CodeTool
+from agentrl.tools import build_tools
 from agentrl.tools.formats import build_format
-from agentrl.tools.search import SearchTool
 from agentrl.types import Group, Prompt
 from agentrl.weight_sync import push_weights
 
+T = TypeVar("T")
 
-class PromptSampler:
-    """Prompts in a seeded permutation per epoch; `state` (epoch, index, seed) resumes the same order."""
 
-    def __init__(self, prompts: list[Prompt], seed: int, epoch: int = 0, index: int = 0) -> None:
+class PromptSampler(Generic[T]):
+    """Items (prompts; sft.py's trajectories) in a seeded permutation per epoch; `state` (epoch, index,
+    seed) resumes the same order."""
+
+    def __init__(self, prompts: Sequence[T], seed: int, epoch: int = 0, index: int = 0) -> None:
         self.prompts, self.seed, self.epoch, self.index = prompts, seed, epoch, index
 
     def _order(self, epoch: int) -> list[int]:
@@ -58,7 +60,7 @@ class PromptSampler:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def take(self, k: int) -> list[tuple[int, Prompt]]:
+    def take(self, k: int) -> list[tuple[int, T]]:
         """The next `k` prompts, each with its epoch, across epoch boundaries."""
         out = []
         order = self._order(self.epoch)
@@ -145,21 +147,14 @@ class Trainer:
         return VLLMEngine(path, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                           enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager, seed=cfg.trainer.seed)
 
-    async def _sleep(self) -> dict[str, float]:
-        """Free the engine's GPU memory for the learner (vLLM, colocated)."""
+    async def _sleep(self, asleep: bool) -> dict[str, float]:
+        """Free the engine's GPU memory for the learner (`asleep`), or take it back (vLLM, colocated)."""
         level = self.config.engine.sleep_level
         if self.config.engine.kind != "vllm" or not level:
             return {}
         start = time.perf_counter()
-        await self.engine.sleep(level)
-        return {"timing/sleep": time.perf_counter() - start}
-
-    async def _wake(self) -> dict[str, float]:
-        if self.config.engine.kind != "vllm" or not self.config.engine.sleep_level:
-            return {}
-        start = time.perf_counter()
-        await self.engine.wake()
-        return {"timing/wake": time.perf_counter() - start}
+        await (self.engine.sleep(level) if asleep else self.engine.wake())
+        return {f"timing/{'sleep' if asleep else 'wake'}": time.perf_counter() - start}
 
     # -- the run ------------------------------------------------------------------------------------
 
@@ -170,7 +165,7 @@ class Trainer:
         await push_weights(self.policy, [self.engine])  # the engine starts from the learner's weights
         with self.services, self._logger() as log:
             self.log = log
-            self.tools = self._tools()
+            self.tools = build_tools(self.services.urls)
             try:
                 while self.step < self.total_steps:
                     self.step += 1
@@ -194,9 +189,9 @@ class Trainer:
             self.on_step_start(self.step)
         groups, produced = await self._produce()
         metrics |= produced
-        metrics |= await self._sleep()
+        metrics |= await self._sleep(True)
         metrics |= self._consume(groups)
-        metrics |= await self._wake()
+        metrics |= await self._sleep(False)
         metrics |= await push_weights(self.policy, [self.engine])
         trajectories = [tr for g in groups for tr in g.trajectories]
         if t.samples_per_step:
@@ -270,10 +265,9 @@ class Trainer:
         t = self.config.trainer
         start = time.perf_counter()
         spec = self.config.eval_task or self.config.task
-        qa = spec.reward.name in ("qa_em", "qa_f1")
         result = await evaluate(self.eval_prompts, engine=self.engine, fmt=self.fmt, tools=self.tools,
                                 budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
-                                temperature=t.eval_temperature, seed=t.seed, answer_format="answer-tag" if qa else "boxed")
+                                temperature=t.eval_temperature, seed=t.seed, answer_format=answer_format(spec.reward.name))
         return result.metrics | {"timing/validation": time.perf_counter() - start}
 
     # -- state --------------------------------------------------------------------------------------
@@ -311,15 +305,6 @@ class Trainer:
                             "mean_reward": sum(tr.reward.score for tr in group.trajectories if tr.reward)
                             / max(len(group.trajectories), 1)})
         self.run_dir.log_prompt_stats(records)
-
-    def _tools(self) -> dict[str, Any]:
-        urls = self.services.urls
-        tools: dict[str, Any] = {}
-        if "python" in urls:
-            tools["python"] = CodeTool(urls["python"])
-        if "search" in urls:
-            tools["search"] = SearchTool(urls["search"])
-        return tools
 
     def _logger(self) -> MetricsLog:
         return MetricsLog(self.run_dir, self.config.logging, self.step, self.total_steps, self.config)

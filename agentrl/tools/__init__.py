@@ -64,3 +64,13 @@ TOOL_SCHEMAS: dict[str, dict] = {
         },
     },
 }
+
+
+def build_tools(urls: dict[str, str]) -> dict[str, Tool]:
+    """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, `search`: the
+    retriever)."""
+    from agentrl.tools.code import CodeTool
+    from agentrl.tools.search import SearchTool
+
+    clients = {"python": CodeTool, "search": SearchTool}
+    return {name: clients[name](url) for name, url in urls.items()}
