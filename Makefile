@@ -6,10 +6,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-SHARED ?= ../shared/data
-# The demo reads local copies of the benchmark files when ../shared is there, the hub otherwise.
-MATH500 := $(if $(wildcard $(SHARED)/math/math500.jsonl),--set dataset.path=$(SHARED)/math/math500.jsonl,--set dataset.path=HuggingFaceH4/MATH-500 --set dataset.split=test)
-TOKENIZER := $(if $(wildcard $(SHARED)/tokenizers/qwen2.5-0.5b-instruct/vocab.json),$(SHARED)/tokenizers/qwen2.5-0.5b-instruct,Qwen/Qwen2.5-0.5B-Instruct)
 
 .PHONY: setup demo test lint clean
 
@@ -25,11 +21,29 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
+# The quickstart (README.md): a tiny model trained from scratch learns to use the interpreter, then the
+# search engine: data and tokenizer from seeds, SFT on mixed traces, held-out eval, GRPO, eval again.
+QS := runs/quickstart
+EVAL := $(BIN)/agentrl eval --benchmarks task --limit 200 --n 4 --temperature 1
+
 demo: setup
+	rm -rf $(QS)
+	$(BIN)/python -m agentrl.quickstart prepare $(QS)
 	$(BIN)/agentrl tasks validate tasks/*.yaml
-	$(BIN)/agentrl tasks show tasks/torl_math.yaml -n 2 $(MATH500) --tokenizer $(TOKENIZER)
-	$(BIN)/agentrl tasks check tasks/torl_math.yaml $(MATH500) --out runs/demo
-	$(BIN)/agentrl train configs/debug_cpu.yaml --set trainer.run_dir=runs/demo/train
+	$(BIN)/agentrl sft configs/quickstart_code_sft.yaml
+	$(EVAL) --task tasks/quickstart_code.yaml --set dataset.path=$(QS)/code/test.jsonl \
+	    --model $(QS)/code_sft/export --out $(QS)/code_sft/eval
+	$(BIN)/agentrl train configs/quickstart_code.yaml
+	$(EVAL) --task tasks/quickstart_code.yaml --set dataset.path=$(QS)/code/test.jsonl \
+	    --model $(QS)/code_rl/export --out $(QS)/code_rl/eval
+	$(BIN)/agentrl sft configs/quickstart_search_sft.yaml
+	$(EVAL) --task tasks/quickstart_search.yaml --set dataset.path=$(QS)/search/test.jsonl --index $(QS)/search/index \
+	    --model $(QS)/search_sft/export --out $(QS)/search_sft/eval
+	$(BIN)/agentrl train configs/quickstart_search.yaml
+	$(EVAL) --task tasks/quickstart_search.yaml --set dataset.path=$(QS)/search/test.jsonl --index $(QS)/search/index \
+	    --model $(QS)/search_rl/export --out $(QS)/search_rl/eval
+	$(BIN)/agentrl report $(QS)/code_rl $(QS)/search_rl --out $(QS)/report
+	$(BIN)/python -m agentrl.quickstart table $(QS)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -254,6 +254,67 @@ def eval_(
     typer.echo(f"wrote {out}/results.json, results.md and <benchmark>.samples.jsonl")
 
 
+@app.command("lim")
+def lim(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A training run dir (its prompt_stats.jsonl).")] = None,  # noqa: UP045
+    rewards_log: Annotated[Optional[Path], typer.Option(help='Instead of a run: JSONL of {"prompt_id", "epoch", "correct"}.')] = None,  # noqa: UP045
+    threshold: Annotated[float, typer.Option(help="Keep prompts scoring at least this (LIMR: 0.6).")] = 0.6,
+    out: Annotated[Path, typer.Option(help="The selected prompts: dataset rows (a run) or {prompt_id, score}.")] = Path("selected.jsonl"),
+    rand_out: Annotated[Optional[Path], typer.Option(help="The RAND baseline; default: OUT's name + .rand.jsonl.")] = None,  # noqa: UP045
+    seed: Annotated[int, typer.Option(help="Seed of the RAND baseline.")] = 0,
+) -> None:
+    """LIMR's data selection: score each prompt's accuracy over the epochs against the run's, keep those
+    scoring at least --threshold, and draw a RAND baseline of the same size."""
+    from agentrl.config import ConfigError
+    from agentrl.lim import epoch_accuracies, histogram, lim_scores, read_jsonl, run_rows, select, write_jsonl
+
+    rand_out = rand_out or out.with_name(out.name.removesuffix(".jsonl") + ".rand.jsonl")
+    try:
+        if (run_dir is None) == (rewards_log is None):
+            raise ConfigError("give a RUN_DIR or --rewards-log FILE (one of them)")
+        source = rewards_log or run_dir / "prompt_stats.jsonl"
+        accuracies = epoch_accuracies(read_jsonl(source), str(source))
+        scores = lim_scores(accuracies)
+        chosen, rand = select(scores, threshold, seed)
+        if rewards_log is not None:
+            universe = len(accuracies)
+            write_jsonl(out, [{"prompt_id": p, "score": scores[p]} for p in chosen])
+            write_jsonl(rand_out, [{"prompt_id": p, "score": scores[p]} for p in rand])
+        else:
+            rows = run_rows(run_dir)
+            universe = len(rows)
+            known = {r.id for r in rows}
+            missing = [p for p in scores if p not in known]
+            if missing:
+                raise ConfigError(f"{source}: prompt {missing[0]!r} (and {len(missing) - 1} more) is not in the run's "
+                                  "dataset: was the dataset changed since the run?")
+            for path, ids in ((out, set(chosen)), (rand_out, set(rand))):  # rows in the dataset's order
+                write_jsonl(path, [r.fields for r in rows if r.id in ids])
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"scored {len(scores)} of {universe} prompts ({universe - len(scores)} dropped: not seen in every "
+               f"epoch); selected {len(chosen)} with score >= {threshold} -> {out}; RAND {len(rand)} (seed {seed}) "
+               f"-> {rand_out}")
+    typer.echo(histogram(scores.values()))
+
+
+@app.command("report")
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run dirs to plot, overlaid (e.g. LIMR, RAND, full).")],
+    out: Annotated[Optional[Path], typer.Option(help="Where the PNGs and report.html go; default: FIRST_RUN/report.")] = None,  # noqa: UP045
+    samples: Annotated[int, typer.Option(min=0, help="Sampled trajectories shown per step picked.")] = 2,
+) -> None:
+    """PNG plots and one self-contained HTML page of training runs: reward, lengths, tool use, losses, timing."""
+    from agentrl.config import ConfigError
+    from agentrl.report import render
+
+    try:
+        page = render(run_dirs, out or run_dirs[0] / "report", per_step=samples)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"wrote {page} and its PNGs")
+
+
 async def _evaluate(model: str, kind: str, tokenizer: object, seed: int, run: object) -> object:
     """Build the engine (in the running event loop, as vLLM needs), run, close it."""
     import importlib.util

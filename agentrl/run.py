@@ -345,8 +345,10 @@ class MetricsLog:
         if self.mlflow is not None:
             self.mlflow.log_metrics(metrics, step=step)
         if self.bar is not None:
-            reward = metrics.get("reward/mean", float("nan"))
-            self.bar.update(self.task, completed=step, description=f"steps (reward {reward:+.3f})")
+            shown = next(((name, metrics[k]) for k, name in (("reward/mean", "reward"), ("sft/nll", "nll")) if k in metrics),
+                         None)
+            label = f"steps ({shown[0]} {shown[1]:+.3f})" if shown else "steps"
+            self.bar.update(self.task, completed=step, description=label)
 
     def __exit__(self, *exc: object) -> None:
         if self.writer is not None:

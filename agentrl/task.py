@@ -121,6 +121,7 @@ class PromptSpec(StrictModel):
 class ToolsSpec(StrictModel):
     format: Literal["torl", "search_r1", "hermes"] | None = None  # None: no tools, single-turn
     names: list[Literal["python", "search"]] = []
+    search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
 
     @model_validator(mode="after")
     def _consistent(self) -> ToolsSpec:

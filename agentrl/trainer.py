@@ -165,7 +165,7 @@ class Trainer:
         await push_weights(self.policy, [self.engine])  # the engine starts from the learner's weights
         with self.services, self._logger() as log:
             self.log = log
-            self.tools = build_tools(self.services.urls)
+            self.tools = build_tools(self.services.urls, self.config.task.tools.search_topk)
             try:
                 while self.step < self.total_steps:
                     self.step += 1

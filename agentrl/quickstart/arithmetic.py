@@ -1,11 +1,13 @@
 """Seeded word problems a tiny model cannot solve in its head but can with the Python tool (the code
 quickstart), and imperfect synthetic traces to warm-start it with SFT.
 
-A problem multiplies and adds 3-4-digit numbers in a short story (`Problem.expression` is the arithmetic).
+A problem multiplies 3-digit numbers and adds or takes away a third in a short story (`Problem.expression` is
+the arithmetic); every answer has six digits, so that a tiny model learns to copy it from the tool's output
+quickly.
 Which split a problem belongs to is decided by a hash of its numbers, so the held-out split never shares a
 problem with the training one, whatever the counts. `traces` writes SFT data in the trainer's dump format:
 a share of them call the tool (`print(...)`, its real output, then the boxed answer), the rest answer at
-once with a guess that is usually wrong, so the warm-started model has a mixed habit for RL to sort out.
+once with a guess ("My guess is ...") that is usually wrong, so the warm-started model has a mixed habit for RL to sort out.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from agentrl.quickstart import trace
+
 TEMPLATES = [
-    ("A warehouse has {a} crates with {b} bolts in each crate. How many bolts are there in all?", "{a} * {b}"),
-    ("A farm packs {a} boxes of {b} eggs and then {c} more eggs. How many eggs are packed?", "{a} * {b} + {c}"),
-    ("A train carries {a} people on each of {b} trips. How many people does it carry?", "{a} * {b}"),
-    ("A shop sold {a} pens on Monday and {b} pens on Tuesday, and {c} pens on Wednesday. How many pens did it "
-     "sell?", "{a} + {b} + {c}"),
-    ("A library has {a} shelves with {b} books each, and gives away {c} books. How many books are left?",
-     "{a} * {b} - {c}"),
+    ("A crate holds {a} bolts. How many bolts are in {b} crates?", "{a} * {b}"),
+    ("A farm packs {a} boxes of {b} eggs and {c} loose eggs. How many eggs is that?", "{a} * {b} + {c}"),
+    ("A train carries {a} people on each of {b} trips. How many people is that?", "{a} * {b}"),
+    ("A factory makes {a} toys a day for {b} days and {c} of them break. How many toys are left?", "{a} * {b} - {c}"),
+    ("A library has {a} shelves of {b} books and gives away {c}. How many books are left?", "{a} * {b} - {c}"),
 ]
+ANSWERS = range(100_000, 1_000_000)  # six digits: the answer is copied from the tool's output at one offset
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Problem:
     answer: int
 
 
-def _split_of(numbers: tuple[int, ...], template: int) -> str:
+def _split_of(template: int, numbers: tuple[int, ...]) -> str:
     digest = hashlib.sha256(f"{template}:{numbers}".encode()).digest()
     return "test" if digest[0] < 26 else "train"  # about 10% held out
 
@@ -45,25 +48,28 @@ def problems(split: str, count: int, seed: int = 0) -> list[Problem]:
         raise ValueError(f"split {split!r}: expected 'train' or 'test'")
     out: list[Problem] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    for template, numbers in _stream(seed):
-        if (template, numbers) in seen or _split_of(numbers, template) != split:
+    for template, numbers, expression, answer in _stream(seed):
+        if (template, numbers) in seen or _split_of(template, numbers) != split:
             continue
         seen.add((template, numbers))
-        text, expression = TEMPLATES[template]
-        values = dict(zip("abc", numbers, strict=False))
-        expr = expression.format(**values)
-        answer = eval(expr, {"__builtins__": {}})  # noqa: S307 - our own +, -, * of integers
-        out.append(Problem(f"{split}-{len(out)}", text.format(**values), expr, answer))
+        text = TEMPLATES[template][0].format(**dict(zip("abc", numbers, strict=False)))
+        out.append(Problem(f"{split}-{len(out)}", text, expression, answer))
         if len(out) == count:
             return out
     raise AssertionError("unreachable: the stream is endless")
 
 
-def _stream(seed: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+def _stream(seed: int) -> Iterator[tuple[int, tuple[int, ...], str, int]]:
+    """Templates with the 3-digit numbers they use, their expression and answer: those of six digits."""
     rng = random.Random(seed)
     while True:
         template = rng.randrange(len(TEMPLATES))
-        yield template, (rng.randint(100, 9999), rng.randint(100, 9999), rng.randint(10, 999))
+        text, expression = TEMPLATES[template]
+        numbers = tuple(rng.randint(100, 999) for _ in range(text.count("{")))
+        expression = expression.format(**dict(zip("abc", numbers, strict=False)))
+        answer = eval(expression, {"__builtins__": {}})  # noqa: S307 - our own +, -, * of integers
+        if answer in ANSWERS:
+            yield template, numbers, expression, answer
 
 
 def rows(split: str, count: int, seed: int = 0) -> list[dict[str, str]]:
@@ -80,12 +86,10 @@ def traces(items: list[Problem], prompt: str, eos: str, tool_share: float = 0.5,
     for p in items:
         text = prompt.replace("{question}", p.problem)
         if rng.random() < tool_share:
-            segments = [{"source": "model", "text": f"```python\nprint({p.expression})\n```\n```output"},
-                        {"source": "tool", "text": f"\n{p.answer}\n```\n"},
-                        {"source": "model", "text": f"The answer is \\boxed{{{p.answer}}}.{eos}"}]
+            out.append(trace(p.id, text, f"```python\nprint({p.expression})\n```\n```output", f"\n{p.answer}\n```\n",
+                             f"The answer is \\boxed{{{p.answer}}}.{eos}"))
         else:
-            segments = [{"source": "model", "text": f"The answer is \\boxed{{{_guess(p.answer, rng)}}}.{eos}"}]
-        out.append({"id": p.id, "prompt": text, "segments": segments})
+            out.append(trace(p.id, text, f"My guess is \\boxed{{{_guess(p.answer, rng)}}}.{eos}"))
     return out
 
 

@@ -66,11 +66,11 @@ TOOL_SCHEMAS: dict[str, dict] = {
 }
 
 
-def build_tools(urls: dict[str, str]) -> dict[str, Tool]:
+def build_tools(urls: dict[str, str], search_topk: int = 3) -> dict[str, Tool]:
     """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, `search`: the
-    retriever)."""
+    retriever, returning `search_topk` passages a query)."""
     from agentrl.tools.code import CodeTool
     from agentrl.tools.search import SearchTool
 
-    clients = {"python": CodeTool, "search": SearchTool}
+    clients = {"python": CodeTool, "search": lambda url: SearchTool(url, topk=search_topk)}
     return {name: clients[name](url) for name, url in urls.items()}
