@@ -55,10 +55,10 @@ def _spec(task: str) -> TaskSpec:
 
 
 def prepare_to(out: Path, *, seed: int = 0, code_train: int = 16000, code_test: int = 200, people: int = 1600,
-               code_task: str = CODE_TASK, search_task: str = SEARCH_TASK, progress: bool = True) -> Path:
-    """Everything the quickstart reads, under `out` (see the module docstring); `out` must not exist."""
-    from retriever.build import BuildConfig, build
-
+               code_task: str = CODE_TASK, search_task: str = SEARCH_TASK, search: bool = True,
+               progress: bool = True) -> Path:
+    """Everything the quickstart reads, under `out` (see the module docstring); `out` must not exist.
+    `search=False`: the code task's part only (no corpus, no index, a tokenizer of the code texts)."""
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it to prepare the quickstart afresh")
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
@@ -69,25 +69,32 @@ def prepare_to(out: Path, *, seed: int = 0, code_train: int = 16000, code_test: 
         code_traces = arithmetic.traces(train, _spec(code_task).prompt.template, "<|im_end|>", seed=seed)
         _write_jsonl(tmp / "code/traces.jsonl", code_traces)
 
-        persons = entities.people(people, seed)
-        rows = entities.corpus(persons)
-        _write_jsonl(tmp / "search/corpus.jsonl", rows)
-        asked = entities.questions(persons, "train")
-        _write_jsonl(tmp / "search/train.jsonl", entities.rows(asked))
-        _write_jsonl(tmp / "search/test.jsonl", entities.rows(entities.questions(persons, "test")))
-        search = _spec(search_task)
-        search_traces = entities.traces(asked, persons, search.prompt.template, topk=search.tools.search_topk, seed=seed)
-        _write_jsonl(tmp / "search/traces.jsonl", search_traces)
-        build(BuildConfig(corpus=tmp / "search/corpus.jsonl", out=tmp / "search/index", index_type="bm25",
-                          progress=progress))
-
-        texts = [t["prompt"] + "".join(s["text"] for s in t["segments"]) for t in code_traces + search_traces]
-        tokenizer.train(texts + [r["contents"] for r in rows], tmp / "tokenizer", split_digits=True)
+        texts = [t["prompt"] + "".join(s["text"] for s in t["segments"]) for t in code_traces]
+        if search:
+            texts += _prepare_search(tmp / "search", seed, people, search_task, progress)
+        tokenizer.train(texts, tmp / "tokenizer", split_digits=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _prepare_search(out: Path, seed: int, people: int, search_task: str, progress: bool) -> list[str]:
+    """The search task's corpus, questions, traces and BM25 index under `out`; returns their texts."""
+    from retriever.build import BuildConfig, build
+
+    persons = entities.people(people, seed)
+    rows = entities.corpus(persons)
+    _write_jsonl(out / "corpus.jsonl", rows)
+    asked = entities.questions(persons, "train")
+    _write_jsonl(out / "train.jsonl", entities.rows(asked))
+    _write_jsonl(out / "test.jsonl", entities.rows(entities.questions(persons, "test")))
+    spec = _spec(search_task)
+    traces = entities.traces(asked, persons, spec.prompt.template, topk=spec.tools.search_topk, seed=seed)
+    _write_jsonl(out / "traces.jsonl", traces)
+    build(BuildConfig(corpus=out / "corpus.jsonl", out=out / "index", index_type="bm25", progress=progress))
+    return [t["prompt"] + "".join(s["text"] for s in t["segments"]) for t in traces] + [r["contents"] for r in rows]
 
 
 @app.command()
