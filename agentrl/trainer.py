@@ -8,8 +8,8 @@
       -> weight_sync: the new weights into the engine
       -> metrics.jsonl + TensorBoard, trajectory samples, prompt_stats, checkpoint, validation
 
-Rollout produces scored groups and training consumes them (`_produce` and `_consume`); here they take
-turns, one step each. A run resumes from its run directory's latest checkpoint with the same data order
+Rollout produces scored groups (`_produce`) and the learner consumes them (`Learner.learn`); here they
+take turns, one step each. A run resumes from its run directory's latest checkpoint with the same data order
 and the same sampling seeds, so it continues as an uninterrupted run would have.
 """
 
@@ -90,6 +90,60 @@ def build_lm(config: RunConfig) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(hf_config).float()
 
 
+class Learner:
+    """The learner's roles in this process: the policy, and the reference and the critic where the algorithm
+    needs them, with what a step asks of them. Every method is collective over the learner's ranks: on
+    Ray (placement.py) each rank holds one of these and the driver calls them all alike."""
+
+    def __init__(self, config: RunConfig, lm: torch.nn.Module) -> None:
+        self.config = config
+        algo = config.algo
+        self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
+        self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
+                       if algo.needs_critic and config.critic else None)
+        self.policy = PolicyWorker(config.learner, algo, model=lm)
+
+    def learn(self, groups: list[Group]) -> dict[str, float]:
+        """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""
+        t, cfg = self.config.trainer, self.config
+        start = time.perf_counter()
+        step_batch = build_batch(groups, algo=cfg.algo, token_budget=cfg.learner.token_budget,
+                                 mini_batches=t.mini_batches, policy=self.policy, reference=self.reference,
+                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns)
+        metrics = dict(step_batch.metrics)
+        metrics["timing/logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for batch in step_batch.mini_batches:
+                out = self.policy.train_step(batch)
+                if self.critic is not None:
+                    out |= self.critic.train_step(batch)
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                steps += 1
+        metrics |= {k: v / steps for k, v in sums.items()}
+        metrics["timing/train"] = time.perf_counter() - start
+        return metrics
+
+    async def push(self, engines: Sequence[Any]) -> dict[str, float]:
+        return await push_weights(self.policy, engines)
+
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        self.policy.save(f"{path}/actor", extra=extra)
+        if self.critic is not None:
+            self.critic.save(f"{path}/critic")
+
+    def load(self, path: str) -> None:
+        self.policy.load(f"{path}/actor")
+        if self.critic is not None:
+            self.critic.load(f"{path}/critic")
+
+    def export(self, path: str, tokenizer: Any) -> None:
+        self.policy.export_hf(path, tokenizer=tokenizer)
+
+
 class Trainer:
     def __init__(self, config: RunConfig, *, engine: Any = None,
                  on_step_start: Callable[[int], None] | None = None) -> None:
@@ -116,11 +170,8 @@ class Trainer:
         # vLLM sizes its memory from what is free when it starts: before the learner takes its share
         self.engine = engine or (self._vllm_engine(lm) if config.engine.kind == "vllm" else None)
         engine_lm = copy.deepcopy(lm) if self.engine is None else None  # before the learner wraps its own copy
-        algo = config.algo
-        self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
-        self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
-                       if algo.needs_critic and config.critic else None)
-        self.policy = PolicyWorker(config.learner, algo, model=lm)
+        self.learner = Learner(config, lm)
+        self.policy = self.learner.policy
         if self.engine is None:
             device = config.engine.device
             device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -162,7 +213,7 @@ class Trainer:
         self.run_dir.create()
         self._resume()
         write_resolved(self.config, self.run_dir.root)
-        await push_weights(self.policy, [self.engine])  # the engine starts from the learner's weights
+        await self.learner.push([self.engine])  # the engine starts from the learner's weights
         with self.services, self._logger() as log:
             self.log = log
             self.tools = build_tools(self.services.urls, self.config.task.tools.search_topk)
@@ -175,7 +226,7 @@ class Trainer:
                 for tool in self.tools.values():
                     await tool.aclose()
         if self.config.trainer.export:
-            self.policy.export_hf(str(self.run_dir.export), tokenizer=self.tokenizer)
+            self.learner.export(str(self.run_dir.export), self.tokenizer)
         return self.run_dir
 
     async def aclose(self) -> None:
@@ -190,9 +241,9 @@ class Trainer:
         groups, produced = await self._produce()
         metrics |= produced
         metrics |= await self._sleep(True)
-        metrics |= self._consume(groups)
+        metrics |= self.learner.learn(groups)
         metrics |= await self._sleep(False)
-        metrics |= await push_weights(self.policy, [self.engine])
+        metrics |= await self.learner.push([self.engine])
         trajectories = [tr for g in groups for tr in g.trajectories]
         if t.samples_per_step:
             dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl", trajectories[: t.samples_per_step],
@@ -237,30 +288,6 @@ class Trainer:
             metrics["rollout/groups_kept"] = float(len(kept))
         return kept or every, metrics
 
-    def _consume(self, groups: list[Group]) -> dict[str, float]:
-        """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""
-        t, cfg = self.config.trainer, self.config
-        start = time.perf_counter()
-        step_batch = build_batch(groups, algo=cfg.algo, token_budget=cfg.learner.token_budget,
-                                 mini_batches=t.mini_batches, policy=self.policy, reference=self.reference,
-                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns)
-        metrics = dict(step_batch.metrics)
-        metrics["timing/logprobs"] = time.perf_counter() - start
-        start = time.perf_counter()
-        sums: dict[str, float] = {}
-        steps = 0
-        for _ in range(t.ppo_epochs):
-            for batch in step_batch.mini_batches:
-                out = self.policy.train_step(batch)
-                if self.critic is not None:
-                    out |= self.critic.train_step(batch)
-                for k, v in out.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                steps += 1
-        metrics |= {k: v / steps for k, v in sums.items()}
-        metrics["timing/train"] = time.perf_counter() - start
-        return metrics
-
     async def _validate(self) -> dict[str, float]:
         t = self.config.trainer
         start = time.perf_counter()
@@ -276,9 +303,7 @@ class Trainer:
         start = time.perf_counter()
         tmp = self.run_dir.begin_checkpoint(self.step)
         data = {"step": self.step, "data": self.sampler.state}
-        self.policy.save(str(tmp / "actor"), extra=data)
-        if self.critic is not None:
-            self.critic.save(str(tmp / "critic"))
+        self.learner.save(str(tmp), data)
         self.run_dir.commit_checkpoint(tmp, self.step, data, self.config.trainer.keep_checkpoints)
         return time.perf_counter() - start
 
@@ -288,9 +313,7 @@ class Trainer:
         if path is None:
             return
         state = json.loads((path / "trainer.json").read_text())
-        self.policy.load(str(path / "actor"))
-        if self.critic is not None:
-            self.critic.load(str(path / "critic"))
+        self.learner.load(str(path))
         self.step = int(state["step"])
         data = state["data"]
         self.sampler = PromptSampler(self.train_prompts, int(data["seed"]), int(data["epoch"]), int(data["index"]))
