@@ -170,6 +170,8 @@ def train(
     overrides: SetOption = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this run dir (default: trainer.run_dir, "  # noqa: UP045
                                                    "which resumes by itself when it holds a checkpoint).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Run the learner ranks and engines on this Ray cluster "  # noqa: UP045
+                                                       "(auto: the one this machine is in); placement.ray_address.")] = None,
 ) -> None:
     """Train a policy with RL: rollouts with tools, rewards, advantages, learner steps, checkpoints."""
     from agentrl.config import ConfigError
@@ -180,6 +182,8 @@ def train(
         if not (resume / "checkpoints" / "latest").exists():
             raise _fail(f"--resume {resume}: no checkpoint there (expected {resume}/checkpoints/latest)")
         sets.append(f"trainer.run_dir={resume}")
+    if ray_address is not None:
+        sets.append(f"placement.ray_address={ray_address}")
     try:
         run_config = load_run_config(config, sets)
         from agentrl.trainer import train as run_training

@@ -113,6 +113,20 @@ class LoggingConfig(StrictModel):
     progress: bool = Field(True, description="a progress bar with an ETA on the terminal")
 
 
+class PlacementConfig(StrictModel):
+    """Where the learner and the engines run: in this process (the default), or as Ray actors
+    (placement.py): `learner_ranks` data-parallel learner ranks and `engines` engine replicas."""
+
+    ray_address: str | None = Field(None, description="the Ray cluster to join (auto: the one this machine is in); "
+                                    "unset with learner_ranks or engines above 1: a local Ray is started")
+    learner_ranks: int = Field(1, ge=1, description="learner actors, one per GPU (or CPU), one FSDP2 group")
+    engines: int = Field(1, ge=1, description="engine replicas, each an actor; a trajectory sticks to one")
+
+    @property
+    def on_ray(self) -> bool:
+        return self.ray_address is not None or self.learner_ranks > 1 or self.engines > 1
+
+
 class RunConfig(StrictModel):
     name: str
     task: TaskSpec
@@ -126,6 +140,7 @@ class RunConfig(StrictModel):
     trainer: TrainerConfig
     services: ServicesConfig = ServicesConfig()
     logging: LoggingConfig = LoggingConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     @model_validator(mode="after")
     def _derive(self) -> RunConfig:
@@ -155,6 +170,9 @@ class RunConfig(StrictModel):
             self.critic = self.learner.model_copy(deep=True)
         if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
             raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
+        if self.placement.on_ray and self.engine.kind != "hf":
+            raise ValueError(f"placement on Ray with engine.kind {self.engine.kind!r}: the Ray engine actors are "
+                             "transformers engines (engine.kind: hf); vLLM runs in the trainer's process")
         return self
 
     @property

@@ -166,6 +166,25 @@ class Trainer:
         self.total_steps = t.steps or math.ceil(t.epochs * len(self.train_prompts) / t.prompts_per_step)
         self.sampler = PromptSampler(self.train_prompts, t.seed)
 
+        if config.placement.on_ray:
+            from agentrl.engine.pool import EnginePool
+            from agentrl.placement import RayLearner, connect, ray_engines
+
+            connect(config)
+            self.engine = engine or EnginePool(ray_engines(config, config.placement.engines))
+            self.learner: Learner | RayLearner = RayLearner(config, config.placement.learner_ranks)
+            self.policy = None
+        else:
+            self._local(config, engine)
+        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
+                                observation_max_chars=spec.budgets.observation_max_chars)
+        self.reward = build_reward(spec.reward.name, spec.reward.params)
+        self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
+        self.step = 0
+
+    def _local(self, config: RunConfig, engine: Any) -> None:
+        """The learner and the engine in this process."""
+        t = config.trainer
         lm = build_lm(config)
         # vLLM sizes its memory from what is free when it starts: before the learner takes its share
         self.engine = engine or (self._vllm_engine(lm) if config.engine.kind == "vllm" else None)
@@ -177,11 +196,6 @@ class Trainer:
             device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
             self.engine = HFEngine(engine_lm.to(device), self.tokenizer, max_batch=config.engine.max_batch,
                                    seed=t.seed)
-        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
-                                observation_max_chars=spec.budgets.observation_max_chars)
-        self.reward = build_reward(spec.reward.name, spec.reward.params)
-        self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
-        self.step = 0
 
     def _vllm_engine(self, lm: torch.nn.Module) -> Any:
         """A vLLM engine on this GPU, started from the policy's checkpoint (a random init is written to
@@ -231,6 +245,8 @@ class Trainer:
 
     async def aclose(self) -> None:
         await maybe_await(self.engine.aclose())
+        if not isinstance(self.learner, Learner):
+            self.learner.close()
 
     async def _step(self) -> dict[str, float]:
         t = self.config.trainer
