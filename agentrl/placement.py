@@ -137,7 +137,16 @@ class RayLearner:
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
-        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        waiting = list(refs)
+        while waiting:  # as each rank answers: a dead rank leaves the others blocked in a collective
+            done, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(f"learner rank {refs.index(done[0])} (a _LearnerRank actor) died during "
+                                   f"{method}: {type(e).__name__}; the run resumes from its last checkpoint") from e
+        return ray.get(refs)
 
     def learn(self, groups: list[Any]) -> dict[str, float]:
         import ray
@@ -208,12 +217,19 @@ class _EngineActor:
 class RayEngine:
     """The Engine interface (engine/__init__.py) of one _EngineActor."""
 
-    def __init__(self, actor: Any, max_context_tokens: int | None) -> None:
+    def __init__(self, actor: Any, max_context_tokens: int | None, index: int = 0) -> None:
         self.actor = actor
         self.max_context_tokens = max_context_tokens
+        self.index = index
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
-        return await self.actor.generate.remote(prompt_ids, sampling, session)
+        import ray
+
+        try:
+            return await self.actor.generate.remote(prompt_ids, sampling, session)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"engine replica {self.index} (an _EngineActor) died: {e.__class__.__name__}; the "
+                               "run resumes from its last checkpoint") from e
 
     async def load_weight_bucket(self, payload: bytes) -> int:
         return await self.actor.load_weight_bucket.remote(payload)
@@ -237,4 +253,4 @@ def ray_engines(config: Any, count: int) -> list[RayEngine]:
     dump = config.model_dump(mode="json")
     actors = [actor.remote(dump, config.trainer.seed + i) for i in range(count)]
     limits = ray.get([a.max_context_tokens.remote() for a in actors])
-    return [RayEngine(a, limit) for a, limit in zip(actors, limits, strict=True)]
+    return [RayEngine(a, limit, i) for i, (a, limit) in enumerate(zip(actors, limits, strict=True))]
