@@ -269,8 +269,8 @@ def lim(
 ) -> None:
     """LIMR's data selection: score each prompt's accuracy over the epochs against the run's, keep those
     scoring at least --threshold, and draw a RAND baseline of the same size."""
-    from agentrl.config import ConfigError
-    from agentrl.lim import epoch_accuracies, histogram, lim_scores, read_jsonl, run_rows, select, write_jsonl
+    from agentrl.config import ConfigError, read_jsonl, write_jsonl
+    from agentrl.lim import epoch_accuracies, histogram, lim_scores, run_rows, select
 
     rand_out = rand_out or out.with_name(out.name.removesuffix(".jsonl") + ".rand.jsonl")
     try:

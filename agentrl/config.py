@@ -12,6 +12,7 @@ repository root in every example), whether they come from a file or from `--set`
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import tempfile
 import types
@@ -237,3 +238,23 @@ def _deep_copy(data: Any) -> Any:
     if isinstance(data, list):
         return [_deep_copy(v) for v in data]
     return data
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one a line (blank lines skipped); ConfigError naming the file and
+    the line for a missing file or a line that is not JSON."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} line {n}: not JSON ({e.msg})") from None
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """`rows` as a JSONL file, written whole (atomic_write_text)."""
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))

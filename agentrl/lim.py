@@ -16,14 +16,13 @@ subset of the same size, drawn from every scored prompt, for the baseline run.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import ConfigError, atomic_write_text
+from agentrl.config import ConfigError
 
 
 def epoch_accuracies(records: Iterable[dict[str, Any]], source: str) -> dict[str, dict[int, float]]:
@@ -90,19 +89,6 @@ def histogram(scores: Iterable[float], bins: int = 10, width: int = 40) -> str:
                      f"{c:7d} {'#' * round(width * c / top)}" for i, c in enumerate(counts))
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} line {n}: not JSON ({e.msg})") from None
-    return out
-
-
 def run_rows(run_dir: Path) -> list[Any]:
     """The training rows of the run in `run_dir` (its resolved config's task), in dataset order."""
     from agentrl.config import read_yaml, validate
@@ -112,6 +98,3 @@ def run_rows(run_dir: Path) -> list[Any]:
     config = validate(RunConfig, read_yaml(run_dir / "config.yaml"), str(run_dir / "config.yaml"))
     return Task(config.task, source=f"{run_dir}/config.yaml: task").rows()
 
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))

@@ -13,11 +13,10 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import ConfigError, atomic_write_text
+from agentrl.config import ConfigError, atomic_write_text, read_jsonl
 
 # (file name, title, [(metric, label)], y-axis label)
 PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
@@ -46,12 +45,12 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[int, list[dict[s
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (is it a run dir of agentrl train?)")
-    metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    metrics = read_jsonl(path)
     if not metrics:
         raise ConfigError(f"{path}: no steps logged yet")
     samples = {}
     for f in (run_dir / "samples").glob("step_*.jsonl"):
-        samples[int(f.stem.removeprefix("step_"))] = [json.loads(line) for line in f.read_text().splitlines() if line]
+        samples[int(f.stem.removeprefix("step_"))] = read_jsonl(f)
     return metrics, samples
 
 

@@ -29,7 +29,16 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from agentrl.algo import AlgoConfig
-from agentrl.config import ConfigError, StrictModel, apply_overrides, atomic_write_text, read_yaml, validate
+from agentrl.config import (
+    ConfigError,
+    StrictModel,
+    apply_overrides,
+    atomic_write_text,
+    read_jsonl,
+    read_yaml,
+    validate,
+    write_jsonl,
+)
 from agentrl.learner.config import LearnerConfig
 from agentrl.rollout import RolloutConfig
 from agentrl.task import TaskSpec
@@ -238,8 +247,8 @@ class RunDir:
         """Keep only the lines of steps <= `last_step` (a resumed run redoes the steps after it)."""
         for path in (self.metrics_path, self.prompt_stats_path):
             if path.exists():
-                kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= last_step]
-                atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+                kept = [r for r in read_jsonl(path) if r.get("step", 0) <= last_step]
+                write_jsonl(path, kept)
 
     # -- checkpoints --------------------------------------------------------------------------------
 
@@ -291,12 +300,6 @@ def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class MetricsLog:

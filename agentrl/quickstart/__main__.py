@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from agentrl.config import write_jsonl
 from agentrl.quickstart import arithmetic, entities, tokenizer
 
 if TYPE_CHECKING:
@@ -38,11 +39,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split
 
 CODE_TASK = "tasks/quickstart_code.yaml"
 SEARCH_TASK = "tasks/quickstart_search.yaml"
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def _spec(task: str) -> TaskSpec:
@@ -64,10 +60,10 @@ def prepare_to(out: Path, *, seed: int = 0, code_train: int = 16000, code_test: 
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     try:
         train = arithmetic.problems("train", code_train, seed)
-        _write_jsonl(tmp / "code/train.jsonl", arithmetic.rows("train", code_train, seed))
-        _write_jsonl(tmp / "code/test.jsonl", arithmetic.rows("test", code_test, seed))
+        write_jsonl(tmp / "code/train.jsonl", arithmetic.rows("train", code_train, seed))
+        write_jsonl(tmp / "code/test.jsonl", arithmetic.rows("test", code_test, seed))
         code_traces = arithmetic.traces(train, _spec(code_task).prompt.template, "<|im_end|>", seed=seed)
-        _write_jsonl(tmp / "code/traces.jsonl", code_traces)
+        write_jsonl(tmp / "code/traces.jsonl", code_traces)
 
         texts = [t["prompt"] + "".join(s["text"] for s in t["segments"]) for t in code_traces]
         if search:
@@ -86,13 +82,13 @@ def _prepare_search(out: Path, seed: int, people: int, search_task: str, progres
 
     persons = entities.people(people, seed)
     rows = entities.corpus(persons)
-    _write_jsonl(out / "corpus.jsonl", rows)
+    write_jsonl(out / "corpus.jsonl", rows)
     asked = entities.questions(persons, "train")
-    _write_jsonl(out / "train.jsonl", entities.rows(asked))
-    _write_jsonl(out / "test.jsonl", entities.rows(entities.questions(persons, "test")))
+    write_jsonl(out / "train.jsonl", entities.rows(asked))
+    write_jsonl(out / "test.jsonl", entities.rows(entities.questions(persons, "test")))
     spec = _spec(search_task)
     traces = entities.traces(asked, persons, spec.prompt.template, topk=spec.tools.search_topk, seed=seed)
-    _write_jsonl(out / "traces.jsonl", traces)
+    write_jsonl(out / "traces.jsonl", traces)
     build(BuildConfig(corpus=out / "corpus.jsonl", out=out / "index", index_type="bm25", progress=progress))
     return [t["prompt"] + "".join(s["text"] for s in t["segments"]) for t in traces] + [r["contents"] for r in rows]
 
