@@ -1,20 +1,29 @@
 """Placement on Ray: the learner's ranks and the rollout engines as Ray actors, the same objects the
-one-process trainer builds (trainer.Learner, engine/hf.py's HFEngine); Ray only places them.
+one-process trainer builds (trainer.Learner, engine/hf.py's HFEngine, engine/vllm.py's VLLMEngine); Ray
+only places them.
 
     driver (trainer.Trainer: prompts, rollout, rewards, tools over HTTP, logs, checkpoints' metadata)
       -> RayEngine clients behind engine/pool.py's EnginePool (a trajectory's turns stick to one engine)
-           -> _EngineActor: an engine in an actor, one per replica
-      -> RayLearner: `learner_ranks` _LearnerRank actors in one placement group, one bundle each
+           -> _EngineActor: an engine in an actor, one per replica (a vLLM one optionally tensor-parallel)
+      -> RayLearner: `learner_ranks` _LearnerRank actors
            -> each rank: a trainer.Learner whose FSDP2 process group is formed from Ray (rank 0's node
               address and a free port; gloo on CPUs, NCCL on GPUs), no torchrun
 
-Every Learner method is collective, so the driver calls it on all ranks with the same arguments (the
-step's scored groups go into Ray's object store once) and takes rank 0's answer: the learner reduces its
-metrics over the ranks itself. Weights go from the learner to the engines without passing the driver:
-every rank gathers the full tensors one at a time (the collective part), rank 0 encodes each bucket once
-(safetensors) and every engine loads it. A checkpoint is the one-process run's format (the sharded part
-is torch.distributed.checkpoint, loadable on another number of ranks), so either kind of run resumes the
-other's.
+All actors sit in one placement group (`Layout` says which bundle holds what). Every Learner method is
+collective, so the driver calls it on all ranks with the same arguments (the step's scored groups go into
+Ray's object store once) and takes rank 0's answer: the learner reduces its metrics over the ranks itself.
+
+Weights go from the learner to the engines without passing the driver; every rank gathers the full
+tensors one at a time (the collective part), then by `placement.mode`:
+- colocated (vLLM engines): engine i shares learner rank i's GPU (half of its bundle each in Ray's
+  accounting) and sleeps while the learner trains; rank i packs each bucket into one flat GPU buffer
+  and engine i's workers map it by CUDA IPC, so the weights never leave the GPU.
+- split (vLLM engines): engines on GPUs of their own, which never hold learner state; rank 0 broadcasts
+  each flat bucket over NCCL to every engine worker (weight_sync.WeightBroadcast, a group formed once).
+- transformers engines: rank 0 encodes each bucket once (safetensors) and every engine loads it.
+
+A checkpoint is the one-process run's format (the sharded part is torch.distributed.checkpoint, loadable
+on another number of ranks), so either kind of run resumes the other's.
 
 A rank or an engine that dies fails the call that was waiting on it with Ray's error, which names the
 actor; the run stops and resumes from its last checkpoint.
@@ -26,17 +35,64 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.engine import Completion, Sampling, bucket_by_bytes, bucket_bytes
+from agentrl.engine import Completion, Sampling, bucket_bytes, maybe_await
 
 
-def needs(config: Any) -> dict[str, float]:
-    """What the run's actors take: a CPU each, and a GPU each for those on CUDA."""
-    p = config.placement
-    gpus = p.learner_ranks * (config.learner.device == "cuda") + p.engines * (config.engine.device == "cuda")
-    return {"CPU": float(p.learner_ranks + p.engines), "GPU": float(gpus)}
+class Layout:
+    """Where the run's actors go: the placement group's bundles, and for each learner rank and engine the
+    bundle it takes and the GPUs it asks for there. Colocated vLLM engines (and split ones with
+    `share_gpus`) share bundle i, one GPU, with learner rank i, half each; otherwise every actor has a
+    bundle of its own: a GPU per learner rank on CUDA, `engine.tensor_parallel_size` per vLLM engine (or a
+    GPU per transformers engine on CUDA)."""
+
+    def __init__(self, config: Any) -> None:
+        p, e = config.placement, config.engine
+        learner_gpu = float(config.learner.device == "cuda" or e.kind == "vllm")  # vLLM: on CUDA (validated)
+        if p.shares_gpus(e.kind):
+            self.bundles = [{"CPU": 2.0, "GPU": 1.0} for _ in range(p.learner_ranks)]
+            self.ranks = [(i, 0.5) for i in range(p.learner_ranks)]
+            self.engines = [(i, 0.5) for i in range(p.engines)]
+            return
+        engine_gpus = float(e.tensor_parallel_size if e.kind == "vllm" else e.device == "cuda")
+        self.bundles = ([_bundle(learner_gpu) for _ in range(p.learner_ranks)]
+                        + [_bundle(engine_gpus) for _ in range(p.engines)])
+        self.ranks = [(i, learner_gpu) for i in range(p.learner_ranks)]
+        self.engines = [(p.learner_ranks + j, engine_gpus) for j in range(p.engines)]
+
+    def needs(self) -> dict[str, float]:
+        return {k: sum(b.get(k, 0.0) for b in self.bundles) for k in ("CPU", "GPU")}
 
 
-def connect(config: Any) -> Any:
+def _bundle(gpus: float) -> dict[str, float]:
+    return {"CPU": 1.0, "GPU": gpus} if gpus else {"CPU": 1.0}
+
+
+class Placement:
+    """The run's placement group (a Layout), formed once the cluster has room for it."""
+
+    def __init__(self, config: Any) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.layout = Layout(config)
+        connect(config, self.layout.needs())
+        self.group = placement_group(self.layout.bundles, strategy="PACK")
+        ray.get(self.group.ready())
+
+    def options(self, bundle: int, gpus: float, **extra: Any) -> dict[str, Any]:
+        """Ray actor options for an actor in `bundle` with `gpus` GPUs (a CPU always)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": 1, "num_gpus": gpus, **extra, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=bundle)}
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def connect(config: Any, want: dict[str, float]) -> Any:
     """Join the Ray cluster at placement.ray_address ("auto": the one this machine belongs to), or start a
     local one with a logical CPU per actor at least; a cluster short of what the actors take is an error
     naming both (Ray would wait for the resources forever)."""
@@ -44,7 +100,6 @@ def connect(config: Any) -> Any:
 
     from agentrl.config import ConfigError
 
-    want = needs(config)
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False}
         address = config.placement.ray_address
@@ -56,13 +111,10 @@ def connect(config: Any) -> Any:
     short = {k: v for k, v in want.items() if v > have.get(k, 0.0)}
     if short:
         raise ConfigError(f"placement: the actors need {want['CPU']:g} CPUs and {want['GPU']:g} GPUs "
-                          f"({config.placement.learner_ranks} learner ranks, {config.placement.engines} engines); "
-                          f"the Ray cluster has {have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs")
+                          f"({config.placement.learner_ranks} learner ranks, {config.placement.engines} engines, "
+                          f"{config.placement.mode}); the Ray cluster has {have.get('CPU', 0):g} CPUs and "
+                          f"{have.get('GPU', 0):g} GPUs")
     return ray
-
-
-def _resources(device: str) -> dict[str, float]:
-    return {"CPU": 1.0, "GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
 
 
 class _LearnerRank:
@@ -84,21 +136,43 @@ class _LearnerRank:
         self.rank = rank
         cfg = RunConfig.model_validate(config)
         self.learner = Learner(cfg, build_lm(cfg))
+        self.broadcast: Any = None
+
+    def join_weight_group(self, host: str, port: int, world: int) -> None:
+        from agentrl.weight_sync import WeightBroadcast
+
+        self.broadcast = WeightBroadcast(host, port, world)
 
     def learn(self, groups: list[Any]) -> dict[str, float]:
         return self.learner.learn(groups)
 
-    def push(self, engines: list[Any]) -> None:
+    def push(self, engines: list[Any], transport: str) -> None:
+        """The new weights into the engines: `transport` bytes (safetensors from rank 0 to every engine),
+        ipc (rank i to engine i on its GPU) or nccl (rank 0's broadcast to every engine's workers)."""
         import ray
 
+        from agentrl.engine import GPU_BUCKET_BYTES, bucket_by_bytes, cuda_ipc_handle, flat_bucket
+
         state = self.learner.policy.state_for_sync()  # collective: every rank gathers every tensor
-        if self.rank != 0:
+        if transport == "ipc":
+            engines = [engines[self.rank]]
+        elif self.rank != 0:
             for _ in state:
                 pass
             return
-        for bucket in bucket_by_bytes(state):
-            payload = ray.put(bucket_bytes(bucket))
-            ray.get([e.load_weight_bucket.remote(payload) for e in engines])
+        for bucket in bucket_by_bytes(state, None if transport == "bytes" else GPU_BUCKET_BYTES):
+            if transport == "bytes":
+                payload = ray.put(bucket_bytes(bucket))
+                ray.get([e.load_weight_bucket.remote(payload) for e in engines])
+                continue
+            flat, layout = flat_bucket(bucket)
+            if transport == "ipc":
+                ray.get(engines[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))
+            else:
+                receiving = [e.receive_bucket.remote(layout, flat.numel()) for e in engines]
+                self.broadcast.send(flat)
+                ray.get(receiving)
+            del flat
         ray.get([e.weights_loaded.remote() for e in engines])
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
@@ -114,30 +188,28 @@ class _LearnerRank:
 
 
 class RayLearner:
-    """trainer.Learner's interface over `ranks` Ray actors (see the module docstring)."""
+    """trainer.Learner's interface over `placement.learner_ranks` Ray actors (see the module docstring)."""
 
-    def __init__(self, config: Any, ranks: int) -> None:
+    def __init__(self, config: Any, placement: Placement) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config = config
-        device = config.learner.device
-        self.group = placement_group([_resources(device)] * ranks, strategy="PACK")
-        ray.get(self.group.ready())
+        ranks = config.placement.learner_ranks
         actor = ray.remote(_LearnerRank)
-        self.ranks = [actor.options(
-            num_cpus=1, num_gpus=1 if device == "cuda" else 0, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i),
-        ).remote() for i in range(ranks)]
+        self.ranks = [actor.options(**placement.options(b, gpus)).remote() for b, gpus in placement.layout.ranks]
         master = ray.get(self.ranks[0].address.remote())
         dump = config.model_dump(mode="json")
-        ray.get([r.setup.remote(dump, i, ranks, master) for i, r in enumerate(self.ranks)])
+        self._all("setup", dump, None, ranks, master, per_rank=True)
+        self.transport = ("bytes" if config.engine.kind != "vllm" else
+                          "nccl" if config.placement.mode == "split" else "ipc")
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: Any, per_rank: bool = False) -> list[Any]:
+        """`method(*args)` on every rank (with `per_rank`, the None argument is the rank's index); rank
+        order answers, or an error naming the rank that died."""
         import ray
 
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        refs = [getattr(r, method).remote(*(i if per_rank and a is None else a for a in args))
+                for i, r in enumerate(self.ranks)]
         waiting = list(refs)
         while waiting:  # as each rank answers: a dead rank leaves the others blocked in a collective
             done, waiting = ray.wait(waiting, num_returns=1)
@@ -147,6 +219,17 @@ class RayLearner:
                 raise RuntimeError(f"learner rank {refs.index(done[0])} (a _LearnerRank actor) died during "
                                    f"{method}: {type(e).__name__}; the run resumes from its last checkpoint") from e
         return ray.get(refs)
+
+    def join(self, engines: Sequence[RayEngine]) -> None:
+        """Split placement: form the NCCL weight group of rank 0 and every engine's workers (rank 0 first,
+        then `tensor_parallel_size` ranks per engine, in order); the members join together."""
+        import ray
+
+        tp = self.config.engine.tensor_parallel_size
+        host, port = ray.get(self.ranks[0].address.remote())
+        world = 1 + tp * len(engines)
+        ray.get([self.ranks[0].join_weight_group.remote(host, port, world)]
+                + [e.actor.join_weight_group.remote(host, port, world, 1 + tp * j) for j, e in enumerate(engines)])
 
     def learn(self, groups: list[Any]) -> dict[str, float]:
         import ray
@@ -158,7 +241,7 @@ class RayLearner:
 
         start = time.perf_counter()
         actors = [e.actor for pool in engines for e in getattr(pool, "engines", [pool])]
-        self._all("push", actors)
+        self._all("push", actors, self.transport)
         return {"timing/weight_sync": time.perf_counter() - start}
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
@@ -172,26 +255,31 @@ class RayLearner:
 
     def close(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for r in self.ranks:
             ray.kill(r)
-        remove_placement_group(self.group)
 
 
 class _EngineActor:
-    """A transformers engine (engine/hf.py) in an actor, started from the run's initial weights (the
-    learner's first push replaces them)."""
+    """An engine in an actor: a transformers one started from the run's initial weights, or a vLLM one
+    from `model_dir` (the checkpoint, or the random init the driver wrote); the learner's first push
+    replaces them either way."""
 
-    def __init__(self, config: dict[str, Any], seed: int) -> None:
+    def __init__(self, config: dict[str, Any], seed: int, model_dir: str | None) -> None:
         import torch
 
-        from agentrl.engine.hf import HFEngine
         from agentrl.run import RunConfig
         from agentrl.task import load_tokenizer
-        from agentrl.trainer import build_lm
+        from agentrl.trainer import build_lm, vllm_engine
 
         cfg = RunConfig.model_validate(config)
+        if cfg.engine.kind == "vllm":
+            # tensor-parallel workers as vLLM's own processes, not Ray actors: this actor's GPUs are Ray's grant
+            extra = {"distributed_executor_backend": "mp"} if cfg.engine.tensor_parallel_size > 1 else {}
+            self.engine: Any = vllm_engine(cfg, model_dir or "", seed=seed, **extra)
+            return
+        from agentrl.engine.hf import HFEngine
+
         device = cfg.engine.device
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path or "", option="model.tokenizer")
@@ -204,14 +292,35 @@ class _EngineActor:
         return await self.engine.generate(prompt_ids, sampling, session=session)
 
     async def load_weight_bucket(self, payload: bytes) -> int:
+        if callable(getattr(self.engine, "load_weight_bucket", None)):
+            return await self.engine.load_weight_bucket(payload)
         from safetensors.torch import load
 
         tensors = load(payload)
         await self.engine.update_weights(tensors.items())
         return len(tensors)
 
-    def weights_loaded(self) -> None:
-        return None
+    async def load_ipc_bucket(self, handle: bytes, layout: list) -> int:
+        return await self.engine.load_ipc_bucket(handle, layout)
+
+    async def join_weight_group(self, host: str, port: int, world: int, offset: int) -> None:
+        await self.engine.join_weight_group(host, port, world, offset)
+
+    async def receive_bucket(self, layout: list, nbytes: int) -> int:
+        return await self.engine.receive_bucket(layout, nbytes)
+
+    async def weights_loaded(self) -> None:
+        if callable(getattr(self.engine, "weights_loaded", None)):
+            await self.engine.weights_loaded()
+
+    async def sleep(self, level: int) -> None:
+        await self.engine.sleep(level)
+
+    async def wake(self) -> None:
+        await self.engine.wake()
+
+    async def shutdown(self) -> None:
+        await maybe_await(self.engine.aclose())
 
 
 class RayEngine:
@@ -222,35 +331,54 @@ class RayEngine:
         self.max_context_tokens = max_context_tokens
         self.index = index
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
+    async def _call(self, method: str, *args: Any) -> Any:
         import ray
 
         try:
-            return await self.actor.generate.remote(prompt_ids, sampling, session)
+            return await getattr(self.actor, method).remote(*args)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"engine replica {self.index} (an _EngineActor) died: {e.__class__.__name__}; the "
                                "run resumes from its last checkpoint") from e
 
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
+        return await self._call("generate", prompt_ids, sampling, session)
+
     async def load_weight_bucket(self, payload: bytes) -> int:
-        return await self.actor.load_weight_bucket.remote(payload)
+        return await self._call("load_weight_bucket", payload)
 
     async def weights_loaded(self) -> None:
-        await self.actor.weights_loaded.remote()
+        await self._call("weights_loaded")
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call("sleep", level)
+
+    async def wake(self) -> None:
+        await self._call("wake")
 
     async def aclose(self) -> None:
         import ray
 
+        try:  # a vLLM engine ends its own processes; a dead actor has nothing left to end
+            await self.actor.shutdown.remote()
+        except ray.exceptions.RayActorError:
+            pass
         ray.kill(self.actor)
 
 
-def ray_engines(config: Any, count: int) -> list[RayEngine]:
-    """`count` engine actors (engine replica i samples with seed trainer.seed + i), as Engine clients."""
+def ray_engines(config: Any, placement: Placement, model_dir: str | None) -> list[RayEngine]:
+    """The run's engine actors (replica i samples with seed trainer.seed + i), as Engine clients. Split
+    engines sharing a learner's GPU (`share_gpus`) get an NCCL host id of their own: NCCL refuses two
+    members of one group on one GPU of one host, and so treats them as two hosts."""
     import ray
 
-    device = config.engine.device
-    gpu = 1 if device == "cuda" else 0
-    actor = ray.remote(_EngineActor).options(num_cpus=1, num_gpus=gpu)
+    p = config.placement
     dump = config.model_dump(mode="json")
-    actors = [actor.remote(dump, config.trainer.seed + i) for i in range(count)]
+    actors = []
+    for j, (bundle, gpus) in enumerate(placement.layout.engines):
+        extra: dict[str, Any] = {"max_concurrency": 4096}  # a rollout's requests in flight at once
+        if config.engine.kind == "vllm" and p.mode == "split" and p.shares_gpus("vllm"):
+            extra["runtime_env"] = {"env_vars": {"NCCL_HOSTID": f"agentrl-engine-{j}"}}
+        actor = ray.remote(_EngineActor).options(**placement.options(bundle, gpus, **extra))
+        actors.append(actor.remote(dump, config.trainer.seed + j, model_dir))
     limits = ray.get([a.max_context_tokens.remote() for a in actors])
     return [RayEngine(a, limit, i) for i, (a, limit) in enumerate(zip(actors, limits, strict=True))]

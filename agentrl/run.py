@@ -74,6 +74,7 @@ class EngineConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.4, gt=0, lt=1, description="vllm: its share of the GPU's memory")
     max_model_len: int | None = Field(None, ge=1, description="vllm: context length (default: the model's)")
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (starts faster, runs slower)")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs per engine replica (split placement)")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="vllm: while the learner trains, 1 frees the KV cache and moves weights to the host, "
         "2 also drops the weights (the push restores them), 0 stays awake")
@@ -124,16 +125,26 @@ class LoggingConfig(StrictModel):
 
 class PlacementConfig(StrictModel):
     """Where the learner and the engines run: in this process (the default), or as Ray actors
-    (placement.py): `learner_ranks` data-parallel learner ranks and `engines` engine replicas."""
+    (placement.py): `learner_ranks` data-parallel learner ranks and `engines` engine replicas, vLLM ones
+    `colocated` on the learner's GPUs or `split` onto GPUs of their own."""
 
     ray_address: str | None = Field(None, description="the Ray cluster to join (auto: the one this machine is in); "
-                                    "unset with learner_ranks or engines above 1: a local Ray is started")
+                                    "unset on Ray (more than one rank or engine, or split): a local Ray is started")
     learner_ranks: int = Field(1, ge=1, description="learner actors, one per GPU (or CPU), one FSDP2 group")
     engines: int = Field(1, ge=1, description="engine replicas, each an actor; a trajectory sticks to one")
+    mode: Literal["colocated", "split"] = Field(
+        "colocated", description="vllm engines: colocated, engine i on learner rank i's GPU, asleep while it trains, "
+        "weights by CUDA IPC; split, engines on GPUs of their own, awake, weights broadcast over NCCL")
+    share_gpus: bool = Field(False, description="split: engine i still shares learner rank i's GPU (separate "
+                             "processes, weights over NCCL): the split path where a machine has one GPU")
 
     @property
     def on_ray(self) -> bool:
-        return self.ray_address is not None or self.learner_ranks > 1 or self.engines > 1
+        return self.ray_address is not None or self.learner_ranks > 1 or self.engines > 1 or self.mode == "split"
+
+    def shares_gpus(self, engine_kind: str) -> bool:
+        """Whether vLLM engine i and learner rank i share a GPU (colocated, or split with share_gpus)."""
+        return engine_kind == "vllm" and (self.mode == "colocated" or self.share_gpus)
 
 
 class RunConfig(StrictModel):
@@ -179,9 +190,18 @@ class RunConfig(StrictModel):
             self.critic = self.learner.model_copy(deep=True)
         if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
             raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
-        if self.placement.on_ray and self.engine.kind != "hf":
-            raise ValueError(f"placement on Ray with engine.kind {self.engine.kind!r}: the Ray engine actors are "
-                             "transformers engines (engine.kind: hf); vLLM runs in the trainer's process")
+        p = self.placement
+        if p.shares_gpus(self.engine.kind) and p.on_ray:
+            if p.engines != p.learner_ranks or self.engine.tensor_parallel_size != 1:
+                raise ValueError(f"placement: vLLM engines sharing the learner's GPUs take one GPU each, engine i on "
+                                 f"learner rank i's: give placement.engines = placement.learner_ranks "
+                                 f"({p.learner_ranks}, not {p.engines}) and engine.tensor_parallel_size 1 (not "
+                                 f"{self.engine.tensor_parallel_size}), or placement.mode split")
+        if self.engine.kind == "vllm" and p.on_ray and self.learner.device == "cpu":
+            raise ValueError("placement on Ray with vLLM engines: weights reach them from the learner's GPUs; set "
+                             "learner.device cuda (not cpu)")
+        if self.engine.tensor_parallel_size > 1 and not (p.mode == "split" and self.engine.kind == "vllm"):
+            raise ValueError("engine.tensor_parallel_size > 1 needs vLLM engines in placement.mode split")
         return self
 
     @property

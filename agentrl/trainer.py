@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -88,6 +89,17 @@ def build_lm(config: RunConfig) -> torch.nn.Module:
     hf_config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(m.init_seed)
     return AutoModelForCausalLM.from_config(hf_config).float()
+
+
+def vllm_engine(config: RunConfig, model_dir: str, **overrides: Any) -> Any:
+    """The run's vLLM engine (engine.* settings) over the weights in `model_dir`."""
+    from agentrl.engine.vllm import VLLMEngine
+
+    e = config.engine
+    kwargs = dict(gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+                  enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager,
+                  tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed)
+    return VLLMEngine(model_dir, **(kwargs | overrides))
 
 
 class Learner:
@@ -166,13 +178,19 @@ class Trainer:
         self.total_steps = t.steps or math.ceil(t.epochs * len(self.train_prompts) / t.prompts_per_step)
         self.sampler = PromptSampler(self.train_prompts, t.seed)
 
+        self.placement = None
         if config.placement.on_ray:
             from agentrl.engine.pool import EnginePool
-            from agentrl.placement import RayLearner, connect, ray_engines
+            from agentrl.placement import Placement, RayLearner, ray_engines
 
-            connect(config)
-            self.engine = engine or EnginePool(ray_engines(config, config.placement.engines))
-            self.learner: Learner | RayLearner = RayLearner(config, config.placement.learner_ranks)
+            self.placement = Placement(config)
+            model_dir = self._model_dir(None) if config.engine.kind == "vllm" else None
+            # engines first: vLLM sizes its memory from what is free on the GPU when it starts
+            engines = ray_engines(config, self.placement, model_dir)
+            self.engine = engine or EnginePool(engines)
+            self.learner: Learner | RayLearner = RayLearner(config, self.placement)
+            if config.engine.kind == "vllm" and config.placement.mode == "split":
+                self.learner.join(engines)
             self.policy = None
         else:
             self._local(config, engine)
@@ -198,24 +216,28 @@ class Trainer:
                                    seed=t.seed)
 
     def _vllm_engine(self, lm: torch.nn.Module) -> Any:
-        """A vLLM engine on this GPU, started from the policy's checkpoint (a random init is written to
-        <run_dir>/init first: vLLM loads weights from files)."""
-        from agentrl.engine.vllm import VLLMEngine
+        """A vLLM engine on this GPU, started from the policy's checkpoint or its random init."""
+        return vllm_engine(self.config, self._model_dir(lm), seed=self.config.trainer.seed)
 
-        cfg = self.config
-        path = cfg.model.path
-        if path is None:
-            path = str(self.run_dir.root / "init")
-            lm.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-        e = cfg.engine
-        return VLLMEngine(path, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
-                          enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager, seed=cfg.trainer.seed)
+    def _model_dir(self, lm: torch.nn.Module | None) -> str:
+        """What a vLLM engine loads at start (it loads weights from files): model.path, or the random init
+        written to <run_dir>/init once (`lm`, or built here), whole or not at all."""
+        if self.config.model.path is not None:
+            return self.config.model.path
+        path = self.run_dir.root / "init"
+        if not (path / "config.json").exists():
+            tmp = path.with_name("init.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (lm if lm is not None else build_lm(self.config).to(torch.bfloat16)).save_pretrained(tmp)  # engines load bf16
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        return str(path)
 
     async def _sleep(self, asleep: bool) -> dict[str, float]:
         """Free the engine's GPU memory for the learner (`asleep`), or take it back (vLLM, colocated)."""
         level = self.config.engine.sleep_level
-        if self.config.engine.kind != "vllm" or not level:
+        if self.config.engine.kind != "vllm" or not level or self.config.placement.mode == "split":
             return {}
         start = time.perf_counter()
         await (self.engine.sleep(level) if asleep else self.engine.wake())
@@ -245,8 +267,9 @@ class Trainer:
 
     async def aclose(self) -> None:
         await maybe_await(self.engine.aclose())
-        if not isinstance(self.learner, Learner):
+        if self.placement is not None:
             self.learner.close()
+            self.placement.close()
 
     async def _step(self) -> dict[str, float]:
         t = self.config.trainer

@@ -26,3 +26,24 @@ async def push_weights(policy: Any, engines: Sequence[Any]) -> dict[str, float]:
     else:
         await load_buckets(engines, policy.state_for_sync())
     return {"timing/weight_sync": time.perf_counter() - start}
+
+
+class WeightBroadcast:
+    """The learner's end (rank 0) of the NCCL group it shares with split engines' workers (each joins with
+    `join_weight_group`): weights then reach GPUs that hold no learner state by broadcast, one flat bucket
+    (`engine.flat_bucket`) per collective, never through the host. vLLM's stateless process group and NCCL
+    communicator: the group stays apart from the learner's own (FSDP2's) and from each engine's."""
+
+    def __init__(self, host: str, port: int, world: int) -> None:
+        import torch
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world)
+        self.comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+
+    def send(self, flat: Any) -> None:
+        """Broadcast `flat` to every engine worker (each must be receiving a buffer of its size)."""
+        import torch
+
+        self.comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,11 @@ def qwen_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(QWEN_DIR)
+
+
+def ray_token_mode() -> None:
+    """Ray's token authentication, stated for both sides before Ray reads its config (at import): where
+    ~/.ray/auth_token exists, a head started there requires the token, while a driver joining it sends it only
+    with RAY_AUTH_MODE=token; where it does not, token mode makes `ray start` fail for want of a token."""
+    if (Path.home() / ".ray" / "auth_token").exists():
+        os.environ.setdefault("RAY_AUTH_MODE", "token")

@@ -6,7 +6,6 @@ rank or engine fails the run naming it, after which the run resumes from its las
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +15,9 @@ import pytest
 from agentrl.learner.fsdp import free_port
 from agentrl.run import load_run_config
 from agentrl.trainer import Trainer, train
-from tests.conftest import REPO
+from tests.conftest import REPO, ray_token_mode
 
-# Ray's token authentication, stated for both sides before Ray reads its config (at import): with the mode
-# unset, a head started where a token file exists requires the token while a driver joining it does not send it
-os.environ.setdefault("RAY_AUTH_MODE", "token")
+ray_token_mode()  # before Ray is imported
 ray = pytest.importorskip("ray")
 RAY = str(Path(sys.executable).with_name("ray"))
 pytestmark = pytest.mark.timeout(900)

@@ -54,3 +54,53 @@ def test_a_resolved_config_loads_back_unchanged(tmp_path):
     cfg = load_run_config(DEBUG, ["rollout.temperature=0.8", "algo.overlong.buffer_tokens=8"])
     write_resolved(cfg, tmp_path)
     assert load_run_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(name):
+    import yaml
+
+    if "data" in yaml.safe_load((REPO / "configs" / name).read_text()):  # `agentrl sft` configs (tests/test_sft.py)
+        return
+    assert load_run_config(REPO / "configs" / name).trainer.prompts_per_step >= 1
+
+
+def test_the_recipes_keep_the_papers_settings():
+    torl = load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml")
+    assert (torl.trainer.prompts_per_step, torl.rollout.n, torl.learner.optim.lr, torl.algo.kl.coef) == (128, 16, 1e-6, 0.0)
+    assert (torl.task.budgets.max_prompt_tokens, torl.task.budgets.max_response_tokens,
+            torl.task.budgets.max_tool_calls) == (400, 3072, 1)
+    ppo = load_run_config(REPO / "configs/search_r1_qwen2.5-3b.yaml")
+    assert ppo.algo.advantage == "gae" and ppo.critic is not None and ppo.critic.optim.lr == 1e-5
+    assert (ppo.trainer.prompts_per_step, ppo.learner.optim.lr, ppo.algo.kl.coef, ppo.task.tools.search_topk) == (
+        512, 1e-6, 0.001, 3)
+    assert (ppo.task.budgets.max_turns, ppo.task.budgets.max_tokens_per_turn, ppo.task.budgets.observation_max_tokens) == (
+        4, 500, 500)
+    grpo = load_run_config(REPO / "configs/search_r1_qwen2.5-3b_grpo.yaml")
+    assert grpo.algo.advantage == "grpo" and grpo.rollout.n == 5 and grpo.algo.kl.use == "loss"
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["placement.engines=2", "placement.learner_ranks=1"], "placement.engines = placement.learner_ranks"),
+    (["engine.tensor_parallel_size=2"], "placement.mode split"),
+    (["learner.device=cpu"], "set learner.device cuda"),
+])
+def test_placement_contradictions_are_errors(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml", sets)
+
+
+def test_the_layout_places_colocated_engines_on_the_learners_gpus_and_split_ones_apart():
+    from agentrl.placement import Layout
+
+    colocated = Layout(load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml",
+                                       ["placement.learner_ranks=2", "placement.engines=2"]))
+    assert colocated.bundles == [{"CPU": 2.0, "GPU": 1.0}] * 2
+    assert colocated.ranks == [(0, 0.5), (1, 0.5)] and colocated.engines == [(0, 0.5), (1, 0.5)]
+    assert colocated.needs() == {"CPU": 4.0, "GPU": 2.0}
+    split = Layout(load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml", [
+        "placement.mode=split", "placement.learner_ranks=2", "placement.engines=3", "engine.tensor_parallel_size=2"]))
+    assert split.ranks == [(0, 1.0), (1, 1.0)] and split.engines == [(2, 2.0), (3, 2.0), (4, 2.0)]
+    assert split.needs() == {"CPU": 5.0, "GPU": 8.0}
+    cpu = Layout(load_run_config(DEBUG, ["placement.learner_ranks=2", "placement.engines=2"]))
+    assert cpu.needs() == {"CPU": 4.0, "GPU": 0.0} and all("GPU" not in b for b in cpu.bundles)

@@ -98,6 +98,8 @@ def completed_stop(tokenizer: object, ids: Sequence[int], stops: Sequence[str]) 
 
 # Weights travel to an engine in buckets of about this many bytes: bounded host memory per transfer.
 BUCKET_BYTES = 256 << 20
+# On the GPU (CUDA IPC, NCCL) a bucket is one flat buffer: larger, so that there are few of them.
+GPU_BUCKET_BYTES = 1 << 30
 
 
 def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None = None) -> Iterator[list[tuple[str, Any]]]:
@@ -124,6 +126,34 @@ def bucket_bytes(bucket: Iterable[tuple[str, Any]]) -> bytes:
     from safetensors.torch import save
 
     return save({name: _alone_on_cpu(t) for name, t in bucket})
+
+
+def flat_bucket(bucket: Sequence[tuple[str, Any]]) -> tuple[Any, list[tuple[str, str, list[int], int]]]:
+    """A bucket of HF-named tensors (on one GPU) packed into one flat uint8 buffer on that GPU, and its layout:
+    (name, dtype name, shape, byte offset) per tensor, each at a 256-byte aligned offset. The form in which
+    weights cross processes on the GPU: one CUDA IPC handle (a colocated engine) or one NCCL broadcast (a
+    split one) per bucket, not one per parameter; the receiver takes views of it (vllm_worker.py)."""
+    import torch
+
+    layout, offset = [], 0
+    for name, t in bucket:
+        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // 256) * 256
+    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+    for (_, t), (_, _, _, start) in zip(bucket, layout, strict=True):
+        flat[start : start + t.numel() * t.element_size()].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    torch.cuda.current_stream(flat.device).synchronize()  # the bucket is whole before another process reads it
+    return flat, layout
+
+
+def cuda_ipc_handle(flat: Any) -> bytes:
+    """What another process on the same GPU needs to map `flat` (torch's `rebuild_cuda_tensor` arguments,
+    pickled). `flat` must outlive the receiver's use of it."""
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(flat)[1])
 
 
 def takes_buckets(engine: object) -> bool:

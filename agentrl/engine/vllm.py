@@ -156,35 +156,40 @@ class VLLMEngine:
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
 
     async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
-                                    bucket_bytes: int = 1 << 30) -> int:
+                                    bucket_bytes: int | None = None) -> int:
         """Load HF-named CUDA tensors on this engine's GPU (a colocated learner's) without a host copy: each
         bucket is packed into one flat buffer whose CUDA IPC handle the workers map (vllm_worker.py), then
         the prefix cache is reset. Returns how many tensors. The buffer lives until the workers return."""
-        import pickle
-
         import torch
-        from torch.multiprocessing.reductions import reduce_tensor
 
-        from agentrl.engine import bucket_by_bytes
+        from agentrl.engine import GPU_BUCKET_BYTES, bucket_by_bytes, cuda_ipc_handle, flat_bucket
 
         refuse_in_flight(self._in_flight)
         total = 0
-        for bucket in bucket_by_bytes(named_tensors, bucket_bytes):
-            layout, offset = [], 0
-            for name, t in bucket:
-                layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
-                offset += -(-t.numel() * t.element_size() // 256) * 256  # 256-byte aligned views
-            flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
-            for (_, t), (_, _, _, start) in zip(bucket, layout, strict=True):
-                flat[start : start + t.numel() * t.element_size()].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-            torch.cuda.current_stream(flat.device).synchronize()  # the bucket is whole before a worker reads it
-            _, args = reduce_tensor(flat)
-            await self.engine.collective_rpc("agentrl_load_ipc", args=(pickle.dumps(args), layout))
-            total += len(bucket)
+        for bucket in bucket_by_bytes(named_tensors, bucket_bytes or GPU_BUCKET_BYTES):
+            flat, layout = flat_bucket(bucket)
+            total += await self.load_ipc_bucket(cuda_ipc_handle(flat), layout)
             del flat
         torch.cuda.ipc_collect()
         await self.reset_prefix_cache()
         return total
+
+    async def load_ipc_bucket(self, handle: bytes, layout: list) -> int:
+        """One flat bucket of another process on this GPU (`engine.flat_bucket`, `engine.cuda_ipc_handle`),
+        loaded by every worker; `weights_loaded()` after the last."""
+        refuse_in_flight(self._in_flight)
+        return int((await self.engine.collective_rpc("agentrl_load_ipc", args=(handle, layout)))[0])
+
+    async def join_weight_group(self, host: str, port: int, world: int, offset: int) -> None:
+        """Join the NCCL group the learner broadcasts weights in (weight_sync.WeightBroadcast, rank 0 at
+        host:port): this engine's workers take ranks offset .. offset + tensor_parallel_size - 1."""
+        await self.engine.collective_rpc("agentrl_join_group", args=(host, port, world, offset))
+
+    async def receive_bucket(self, layout: list, nbytes: int) -> int:
+        """Receive one flat bucket of `nbytes` broadcast in the weight group and load it in every worker;
+        `weights_loaded()` after the last."""
+        refuse_in_flight(self._in_flight)
+        return int((await self.engine.collective_rpc("agentrl_receive_bucket", args=(layout, nbytes)))[0])
 
     async def weights_loaded(self) -> None:
         await self.reset_prefix_cache()  # cached KV was computed with the old weights
