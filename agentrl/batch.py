@@ -95,7 +95,7 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
     for rows, b in zip(parts, batches, strict=True):
         width = b.max_response_len
         b.set("advantages", advantages_BR[rows, :width])
-        b.set("old_logprobs", old_BR[rows, :width])
+        b.set("old_logprobs", (old_BR if algo.off_policy == "decoupled" else layout.engine_logprobs_BR)[rows, :width])
         if ref_BR is not None:
             b.set("ref_logprobs", ref_BR[rows, :width])
         if values_BR is not None and returns_BR is not None:

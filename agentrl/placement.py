@@ -22,6 +22,8 @@ tensors one at a time (the collective part), then by `placement.mode`:
   each flat bucket over NCCL to every engine worker (weight_sync.WeightBroadcast, a group formed once).
 - transformers engines: rank 0 encodes each bucket once (safetensors) and every engine loads it.
 
+With `services.on_ray` the auto services run in actors too (RayService), spread over the nodes.
+
 A checkpoint is the one-process run's format (the sharded part is torch.distributed.checkpoint, loadable
 on another number of ranks), so either kind of run resumes the other's.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from agentrl.engine import Completion, Sampling, bucket_bytes, maybe_await
@@ -75,7 +78,9 @@ class Placement:
         from ray.util.placement_group import placement_group
 
         self.layout = Layout(config)
-        connect(config, self.layout.needs())
+        want = self.layout.needs()
+        want["CPU"] += service_actors(config)  # outside the group, but on the same cluster
+        connect(config, want)
         self.group = placement_group(self.layout.bundles, strategy="PACK")
         ray.get(self.group.ready())
 
@@ -90,6 +95,16 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+
+def service_actors(config: Any) -> int:
+    """The auto services' actors (a CPU each) a run with services.on_ray starts: those its task's tools need."""
+    s = config.services
+    if not s.on_ray:
+        return 0
+    tools = set(config.task.tools.names)
+    return (s.sandbox_replicas if "python" in tools and s.sandbox == "auto" else 0) + int(
+        "search" in tools and s.retriever == "auto")
 
 
 def connect(config: Any, want: dict[str, float]) -> Any:
@@ -112,7 +127,7 @@ def connect(config: Any, want: dict[str, float]) -> Any:
     if short:
         raise ConfigError(f"placement: the actors need {want['CPU']:g} CPUs and {want['GPU']:g} GPUs "
                           f"({config.placement.learner_ranks} learner ranks, {config.placement.engines} engines, "
-                          f"{config.placement.mode}); the Ray cluster has {have.get('CPU', 0):g} CPUs and "
+                          f"{config.placement.mode}, {service_actors(config)} service actors); the Ray cluster has {have.get('CPU', 0):g} CPUs and "
                           f"{have.get('GPU', 0):g} GPUs")
     return ray
 
@@ -160,19 +175,22 @@ class _LearnerRank:
             for _ in state:
                 pass
             return
-        for bucket in bucket_by_bytes(state, None if transport == "bytes" else GPU_BUCKET_BYTES):
-            if transport == "bytes":
-                payload = ray.put(bucket_bytes(bucket))
-                ray.get([e.load_weight_bucket.remote(payload) for e in engines])
-                continue
-            flat, layout = flat_bucket(bucket)
-            if transport == "ipc":
-                ray.get(engines[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))
-            else:
+        if transport == "nccl":
+            for bucket in bucket_by_bytes(state, GPU_BUCKET_BYTES):
+                flat, layout = flat_bucket(bucket)
                 receiving = [e.receive_bucket.remote(layout, flat.numel()) for e in engines]
                 self.broadcast.send(flat)
                 ray.get(receiving)
-            del flat
+                del flat
+        elif transport == "ipc":
+            for bucket in bucket_by_bytes(state, GPU_BUCKET_BYTES):
+                flat, layout = flat_bucket(bucket)
+                ray.get(engines[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))  # mapped, then freed
+                del flat
+        else:
+            for bucket in bucket_by_bytes(state):
+                payload = ray.put(bucket_bytes(bucket))
+                ray.get([e.load_weight_bucket.remote(payload) for e in engines])
         ray.get([e.weights_loaded.remote() for e in engines])
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
@@ -382,3 +400,70 @@ def ray_engines(config: Any, placement: Placement, model_dir: str | None) -> lis
         actors.append(actor.remote(dump, config.trainer.seed + j, model_dir))
     limits = ray.get([a.max_context_tokens.remote() for a in actors])
     return [RayEngine(a, limit, i) for i, (a, limit) in enumerate(zip(actors, limits, strict=True))]
+
+
+class _ServiceActor:
+    """An auto service (services.ServiceProcess) started by an actor on its node, bound to the node's
+    address so that the driver and the other nodes reach it."""
+
+    def __init__(self, module: str, args: list[str], log_dir: str, startup_timeout_s: float, name: str,
+                 env: dict[str, str]) -> None:
+        import ray
+
+        from agentrl.services import ServiceProcess
+
+        self.service = ServiceProcess(module, args, Path(log_dir), startup_timeout_s, name=name,
+                                      host=ray.util.get_node_ip_address(), env=env)
+
+    def url(self) -> str:
+        return self.service.url
+
+    def start(self) -> None:
+        self.service.start()
+
+    def revive(self) -> tuple[bool, int]:
+        return self.service.revive(), self.service.restarts
+
+    def stop(self) -> None:
+        self.service.stop()
+
+
+class RayService:
+    """services.ServiceProcess's interface over a _ServiceActor; the service actors of a run are spread
+    over the cluster's nodes (Ray's SPREAD strategy)."""
+
+    def __init__(self, module: str, args: list[str], log_dir: Path, startup_timeout_s: float,
+                 name: str | None = None, env: dict[str, str] | None = None) -> None:
+        import ray
+
+        self.module = module
+        self.restarts = 0
+        actor = ray.remote(_ServiceActor).options(num_cpus=1, scheduling_strategy="SPREAD")
+        self.actor = actor.remote(module, args, str(log_dir), startup_timeout_s, name or module, env or {})
+        try:  # Ray waits for a free CPU forever: past the startup timeout, say why
+            self.url: str = ray.get(self.actor.url.remote(), timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.actor)
+            from agentrl.config import ConfigError
+
+            raise ConfigError(f"services.on_ray: the {name or module} actor (a CPU) was not placed within "
+                              f"{startup_timeout_s:g} s; the Ray cluster has no CPU free for it") from None
+
+    def start(self) -> None:
+        import ray
+
+        ray.get(self.actor.start.remote())
+
+    def revive(self) -> bool:
+        import ray
+
+        revived, self.restarts = ray.get(self.actor.revive.remote())
+        return revived
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote())
+        finally:
+            ray.kill(self.actor)

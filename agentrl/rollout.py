@@ -94,7 +94,11 @@ class TrajectoryBuilder:
     def add_completion(self, c: Completion) -> Calls | Invalid | None:
         """Record a model turn; return what must run before the next turn, or None."""
         self.turn += 1
-        self.segments.append(Segment("model", list(c.token_ids), list(c.logprobs)))
+        start = 0
+        for count, version in c.versions or [(len(c.token_ids), None)]:  # a run per policy version (partial rollout)
+            self.segments.append(Segment("model", list(c.token_ids[start : start + count]),
+                                         list(c.logprobs[start : start + count]), version))
+            start += count
         self.ids.extend(c.token_ids)
         text = self._turn_text = self.tokenizer.decode(c.token_ids)  # what the model wrote: render reads its end
         stop = completed_stop(self.tokenizer, c.token_ids, self.fmt.stop)
@@ -286,7 +290,7 @@ def trajectory_record(t: Trajectory, tokenizer: Any) -> dict[str, Any]:
         "reward": None if t.reward is None else {"score": t.reward.score, **t.reward.parts},
         "prompt": t.prompt.text,
         "segments": [{"source": s.source, "text": tokenizer.decode(s.token_ids), "tokens": len(s.token_ids)}
-                     for s in t.segments],
+                     | ({"version": s.version} if s.version is not None else {}) for s in t.segments],
         "tool_calls": [{"turn": r.turn, "name": r.call.name if r.call else None,
                         "arguments": r.call.arguments if r.call else None, "error": r.result.error,
                         "latency_ms": round(r.result.latency_s * 1000, 3)} for r in t.tool_records],

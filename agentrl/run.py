@@ -96,6 +96,12 @@ class TrainerConfig(StrictModel):
     eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy")
     samples_per_step: int = Field(8, ge=0, description="trajectories dumped to samples/step_N.jsonl")
     export: bool = Field(True, description="write the final policy as an HF checkpoint to export/")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: rollout keeps generating while the learner trains (bounded staleness)")
+    max_staleness: int = Field(1, ge=0, description="async: a group is trained on only if its oldest token was "
+                               "sampled at most this many policy versions before the learner's; 0: synchronous")
+    chunk_tokens: int = Field(256, ge=1, description="async: new tokens per engine request; a weight update "
+                              "waits for at most this many tokens of each trajectory in flight")
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainerConfig:
@@ -108,8 +114,12 @@ class ServicesConfig(StrictModel):
     """Where the tools' services are: a URL, or "auto" (the trainer starts one on a free loopback port,
     restarts it if it dies, stops it at exit). Only the services the task's tools need are used."""
 
-    sandbox: str = "auto"
+    sandbox: str | list[str] = Field("auto", description="auto, a URL, or a list of URLs (calls spread over them)")
     sandbox_args: list[str] = Field([], description="extra `agentrl sandbox serve` arguments for auto")
+    sandbox_replicas: int = Field(1, ge=1, description="auto: sandboxes started, calls spread over them")
+    sandbox_token: str | None = Field(None, description="the sandbox's bearer token (auto on Ray: one is generated)")
+    on_ray: bool = Field(False, description="auto services as Ray actors spread over the cluster's nodes, bound "
+                         "to their node's address (a run placed on Ray)")
     retriever: str = "auto"
     retriever_index: str | None = Field(None, description="index dir the auto retriever serves")
     startup_timeout_s: float = Field(300.0, gt=0)
@@ -191,6 +201,9 @@ class RunConfig(StrictModel):
         if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
             raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
         p = self.placement
+        if self.services.on_ray and not p.on_ray:
+            raise ValueError("services.on_ray: the services' actors join the run's Ray cluster; place the run on Ray "
+                             "(placement.ray_address, or more than one learner rank or engine)")
         if p.shares_gpus(self.engine.kind) and p.on_ray:
             if p.engines != p.learner_ranks or self.engine.tensor_parallel_size != 1:
                 raise ValueError(f"placement: vLLM engines sharing the learner's GPUs take one GPU each, engine i on "

@@ -1,7 +1,10 @@
 """The tools' services for a run: given URLs, or started by the trainer (`auto`).
 
 An auto service is `python -m sandbox serve` / `python -m retriever serve` on a free loopback port, its
-output in `<run_dir>/logs/<name>.log`. `start` waits until `/health` answers; a service that exits or
+output in `<run_dir>/logs/<name>.log`; `services.sandbox_replicas` sandboxes share a run's code calls
+(tools.Replicas sends them round-robin). With `services.on_ray` each auto service runs in a Ray actor
+instead (placement.RayService), spread over the cluster's nodes and bound to its node's address, the
+sandbox then behind a token the run generates. `start` waits until `/health` answers; a service that exits or
 does not answer in time fails the run at once, naming the service and its log. Between steps the trainer
 calls `revive`: a service that died is started again on the same port, so the tool clients' URLs stay
 valid. While it is down its tool calls fail, and those failures are observations the model sees (the
@@ -11,6 +14,7 @@ clients never raise), so the run goes on. `stop` ends them at exit.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,26 +46,28 @@ def _die_with_parent() -> None:
 
 
 class ServiceProcess:
-    """One auto service: `module` (sandbox | retriever) served with `args` on a free loopback port."""
+    """One auto service: `module` (sandbox | retriever) served with `args` on a free port of `host`
+    (loopback by default), its output in `log_dir/<name>.log`."""
 
-    def __init__(self, module: str, args: list[str], log_dir: Path, startup_timeout_s: float) -> None:
-        self.module, self.args = module, args
+    def __init__(self, module: str, args: list[str], log_dir: Path, startup_timeout_s: float,
+                 name: str | None = None, host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
+        self.module, self.args, self.host, self.env = module, args, host, env or {}
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{module}.log"
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = log_dir / f"{name or module}.log"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", self.module, "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", self.module, "serve", "--host", self.host, "--port", str(self.port),
                    *self.args]
         with open(self.log_path, "ab") as log:
             log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=_die_with_parent, env=os.environ | self.env)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:  # readiness polling: the service answers /health once its workers are up
             if self.proc.poll() is not None:
@@ -105,43 +111,60 @@ class ServiceProcess:
 
 
 class Services:
-    """The URLs of the services a task's tools need, starting the `auto` ones."""
+    """The URLs of the services a task's tools need (`urls`: one per tool, or a list of a tool's replicas),
+    starting the `auto` ones; `sandbox_token` is what the sandbox clients send (None: no token)."""
 
     def __init__(self, tools: list[str], config: ServicesConfig, log_dir: Path) -> None:
-        self.urls: dict[str, str] = {}
-        self.managed: dict[str, ServiceProcess] = {}
+        self.urls: dict[str, str | list[str]] = {}
+        self.managed: list[ServiceProcess] = []
+        self.sandbox_token = config.sandbox_token
+        if config.on_ray:
+            from agentrl.placement import RayService as make
+        else:
+            make = ServiceProcess
         wanted = {"python": ("sandbox", config.sandbox), "search": ("retriever", config.retriever)}
         for tool in tools:
             module, where = wanted[tool]
             if where != "auto":
                 self.urls[tool] = where
                 continue
+            replicas, env = 1, {}
             if module == "sandbox":
+                replicas = config.sandbox_replicas
+                if config.on_ray and self.sandbox_token is None:  # off loopback: only the run may run code there
+                    self.sandbox_token = secrets.token_urlsafe(24)
+                if self.sandbox_token:  # in the environment, not on a command line others can list
+                    env = {"AGENTRL_SANDBOX_TOKEN": self.sandbox_token}
                 args = list(config.sandbox_args)
             else:
                 if not config.retriever_index:
                     raise ConfigError("services.retriever is auto: set services.retriever_index (an index dir "
                                       "built by `agentrl retriever build`) or give services.retriever a URL")
                 args = ["--index", config.retriever_index]
-            self.managed[tool] = ServiceProcess(module, args, log_dir, config.startup_timeout_s)
-            self.urls[tool] = self.managed[tool].url
+            started = [make(module, args, log_dir, config.startup_timeout_s,
+                            name=module if replicas == 1 else f"{module}-{i}", env=env) for i in range(replicas)]
+            self.managed += started
+            self.urls[tool] = started[0].url if replicas == 1 else [s.url for s in started]
 
     def start(self) -> None:
         try:
-            for service in self.managed.values():
+            for service in self.managed:
                 service.start()
         except BaseException:
             self.stop()
             raise
 
     def revive(self) -> dict[str, float]:
-        """Restart any auto service that died; metrics `services/<name>_restarts` (cumulative)."""
-        for service in self.managed.values():
+        """Restart any auto service that died; metrics `services/<module>_restarts` (cumulative, over its replicas)."""
+        restarts: dict[str, float] = {}
+        for service in self.managed:
             service.revive()
-        return {f"services/{s.module}_restarts": float(s.restarts) for s in self.managed.values()}
+            key = f"services/{service.module}_restarts"
+            restarts[key] = restarts.get(key, 0.0) + service.restarts
+        return restarts
 
     def stop(self) -> None:
-        for service in self.managed.values():
+        for service in self.managed:
             service.stop()
 
     def __enter__(self) -> Services:

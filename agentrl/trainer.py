@@ -8,9 +8,14 @@
       -> weight_sync: the new weights into the engine
       -> metrics.jsonl + TensorBoard, trajectory samples, prompt_stats, checkpoint, validation
 
-Rollout produces scored groups (`_produce`) and the learner consumes them (`Learner.learn`); here they
-take turns, one step each. A run resumes from its run directory's latest checkpoint with the same data order
-and the same sampling seeds, so it continues as an uninterrupted run would have.
+Rollout produces scored groups and the learner consumes them (`Learner.learn`). Synchronously
+(`_produce`, `_step`) they take turns, one step each. Asynchronously (`trainer.mode: async`,
+`_train_async`) rollout keeps producing while the learner trains, at most `max_staleness + 1` steps of
+groups ahead, on the engine behind engine/versioned.py, which tags every token with the policy version that
+sampled it and lets weight updates in between two engine requests; a group whose oldest token is more than
+`max_staleness` versions behind the learner is dropped. A synchronous run resumes from its run directory's
+latest checkpoint with the same data order and the same sampling seeds, so it continues as an uninterrupted
+run would have.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from agentrl.batch import build_batch
 from agentrl.config import write_resolved
 from agentrl.engine import maybe_await
 from agentrl.engine.hf import HFEngine
+from agentrl.engine.versioned import VersionedEngine
 from agentrl.evaluate import answer_format, evaluate
 from agentrl.learner.critic import CriticWorker
 from agentrl.learner.policy import PolicyWorker
@@ -194,6 +200,8 @@ class Trainer:
             self.policy = None
         else:
             self._local(config, engine)
+        chunk = t.chunk_tokens if t.mode == "async" else None  # async: updates wait for a token boundary only
+        self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk)
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
                                 observation_max_chars=spec.budgets.observation_max_chars)
         self.reward = build_reward(spec.reward.name, spec.reward.params)
@@ -249,11 +257,14 @@ class Trainer:
         self.run_dir.create()
         self._resume()
         write_resolved(self.config, self.run_dir.root)
-        await self.learner.push([self.engine])  # the engine starts from the learner's weights
+        await self._push()  # the engine starts from the learner's weights
         with self.services, self._logger() as log:
             self.log = log
-            self.tools = build_tools(self.services.urls, self.config.task.tools.search_topk)
+            self.tools = build_tools(self.services.urls, self.config.task.tools.search_topk,
+                                     self.services.sandbox_token)
             try:
+                if self.config.trainer.mode == "async":
+                    await self._train_async(log)
                 while self.step < self.total_steps:
                     self.step += 1
                     metrics = await self._step()
@@ -272,7 +283,6 @@ class Trainer:
             self.placement.close()
 
     async def _step(self) -> dict[str, float]:
-        t = self.config.trainer
         start = time.perf_counter()
         metrics = self.services.revive()
         if self.on_step_start is not None:
@@ -282,7 +292,17 @@ class Trainer:
         metrics |= await self._sleep(True)
         metrics |= self.learner.learn(groups)
         metrics |= await self._sleep(False)
-        metrics |= await self.learner.push([self.engine])
+        metrics |= await self._push()
+        return metrics | await self._after_step(groups, start)
+
+    async def _push(self) -> dict[str, float]:
+        """The learner's weights (its version: the steps done) into the engine, once no request is in flight."""
+        return await self.rollout_engine.update(lambda: self.learner.push([self.engine]), version=self.step)
+
+    async def _after_step(self, groups: list[Group], start: float) -> dict[str, float]:
+        """Samples, checkpoint and validation where due, and the step's time since `start`."""
+        t = self.config.trainer
+        metrics: dict[str, float] = {}
         trajectories = [tr for g in groups for tr in g.trajectories]
         if t.samples_per_step:
             dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl", trajectories[: t.samples_per_step],
@@ -307,7 +327,7 @@ class Trainer:
             seed = self.config.trainer.seed * 1_000_003 + self.step * 101 + sampler.rounds
             rollout_config = self.config.rollout.model_copy(update={"seed": seed})
             tick = self.log.rollout_started(len(drawn) * rollout_config.n)
-            groups = await rollout([p for _, p in drawn], engine=self.engine, fmt=self.fmt, tools=self.tools,
+            groups = await rollout([p for _, p in drawn], engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
                                    budgets=self.config.task.budgets, tokenizer=self.tokenizer, config=rollout_config,
                                    on_done=tick)
             score([tr for g in groups for tr in g.trajectories], self.reward, self.tokenizer)
@@ -327,11 +347,114 @@ class Trainer:
             metrics["rollout/groups_kept"] = float(len(kept))
         return kept or every, metrics
 
+    # -- asynchronous training ----------------------------------------------------------------------
+
+    async def _train_async(self, log: MetricsLog) -> None:
+        """Rollout keeps producing scored groups (`_produce_ahead`) while the learner trains on earlier ones;
+        each step trains on the first `prompts_per_step` groups to finish whose oldest token is at most
+        `max_staleness` policy versions behind the learner, dropping (and counting) older ones."""
+        t = self.config.trainer
+        self._queue: asyncio.Queue[tuple[int, int, Prompt, Group] | BaseException] = asyncio.Queue()
+        self._room = asyncio.Condition()
+        self._drawn = self.step * t.prompts_per_step  # groups drawn (absolute: seeds follow the index)
+        self._discarded = 0
+        producer = asyncio.create_task(self._produce_ahead())
+        try:
+            while self.step < self.total_steps:
+                self.step += 1
+                log(self.step, await self._step_async())
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    def _may_draw(self) -> bool:
+        """Bounded lookahead: groups drawn and not discarded stay within max_staleness + 1 steps past the
+        learner's version (with 0, each step's groups are drawn after the previous step's update, as in the
+        synchronous trainer)."""
+        t = self.config.trainer
+        return self._drawn - self._discarded < (self.rollout_engine.version + t.max_staleness + 1) * t.prompts_per_step
+
+    async def _produce_ahead(self) -> None:
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                async with self._room:
+                    await self._room.wait_for(self._may_draw)
+                    index = self._drawn
+                    self._drawn += 1
+                [(epoch, prompt)] = self.sampler.take(1)
+                task = asyncio.create_task(self._one_group(index, epoch, prompt))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _one_group(self, index: int, epoch: int, prompt: Prompt) -> None:
+        """Roll out and score one group, seeded as the synchronous trainer seeds the step it is drawn for."""
+        t = self.config.trainer
+        seed = t.seed * 1_000_003 + (index // t.prompts_per_step + 1) * 101
+        try:
+            [group] = await rollout([prompt], engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
+                                    budgets=self.config.task.budgets, tokenizer=self.tokenizer,
+                                    config=self.config.rollout.model_copy(update={"seed": seed}))
+            score(group.trajectories, self.reward, self.tokenizer)
+            await self._queue.put((index, epoch, prompt, group))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the learner's side raises it
+            await self._queue.put(e)
+
+    async def _discard(self) -> None:
+        async with self._room:
+            self._discarded += 1
+            self._room.notify_all()
+
+    async def _step_async(self) -> dict[str, float]:
+        t, algo = self.config.trainer, self.config.algo
+        start = time.perf_counter()
+        metrics = self.services.revive()
+        if self.on_step_start is not None:
+            self.on_step_start(self.step)
+        learner_version = self.step - 1
+        kept: list[tuple[int, int, Prompt, Group]] = []
+        stale = uninformative = 0
+        while len(kept) < t.prompts_per_step:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            versions = [v for tr in item[3].trajectories for v in tr.versions]
+            if learner_version - min(versions, default=learner_version) > t.max_staleness:
+                stale += 1
+                await self._discard()
+            elif algo.dynamic_sampling.enabled and len({tr.reward.score for tr in item[3].trajectories if tr.reward}) < 2:
+                uninformative += 1  # DAPO dynamic sampling: all rewards equal, no signal
+                await self._discard()
+            else:
+                kept.append(item)
+        kept.sort(key=lambda item: item[0])  # draw order, as the synchronous trainer batches them
+        metrics["timing/rollout"] = time.perf_counter() - start  # the learner's wait for groups
+        groups = [g for *_, g in kept]
+        self._log_prompt_stats([(epoch, prompt) for _, epoch, prompt, _ in kept], groups)
+        trajectories = [tr for g in groups for tr in g.trajectories]
+        metrics |= rollout_metrics(trajectories)
+        lags = [learner_version - v for tr in trajectories for v in tr.versions]
+        metrics |= {"async/staleness_mean": sum(lags) / max(len(lags), 1), "async/staleness_max": float(max(lags, default=0)),
+                    "async/dropped_stale": float(stale), "async/dropped_uninformative": float(uninformative),
+                    "async/partial_trajectories": sum(len(set(tr.versions)) > 1 for tr in trajectories) / len(trajectories),
+                    "async/paused_requests": float(self.rollout_engine.stats["paused_requests"])}
+        metrics |= await asyncio.to_thread(self.learner.learn, groups)  # rollout goes on meanwhile
+        metrics |= await self._push()
+        async with self._room:
+            self._room.notify_all()  # a new version: room for more groups
+        return metrics | await self._after_step(groups, start)
+
     async def _validate(self) -> dict[str, float]:
         t = self.config.trainer
         start = time.perf_counter()
         spec = self.config.eval_task or self.config.task
-        result = await evaluate(self.eval_prompts, engine=self.engine, fmt=self.fmt, tools=self.tools,
+        result = await evaluate(self.eval_prompts, engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
                                 budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
                                 temperature=t.eval_temperature, seed=t.seed, answer_format=answer_format(spec.reward.name))
         return result.metrics | {"timing/validation": time.perf_counter() - start}

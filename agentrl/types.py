@@ -78,6 +78,7 @@ class Segment:
     source: Literal["model", "tool"]
     token_ids: list[int]
     logprobs: list[float] | None = None  # model segments: one per token
+    version: int | None = None  # model segments: the policy version (weight updates so far) that sampled them
 
     def __post_init__(self) -> None:
         if self.source == "model" and (self.logprobs is None or len(self.logprobs) != len(self.token_ids)):
@@ -122,7 +123,14 @@ class Trajectory:
 
     @property
     def num_turns(self) -> int:
-        return sum(1 for s in self.segments if s.source == "model")
+        """Model turns: runs of model segments (a turn sampled across a weight update is two segments)."""
+        return sum(1 for i, s in enumerate(self.segments)
+                   if s.source == "model" and (i == 0 or self.segments[i - 1].source != "model"))
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy versions that sampled its model segments, in order (those that carry one)."""
+        return [s.version for s in self.segments if s.source == "model" and s.version is not None]
 
 
 @dataclass

@@ -102,7 +102,7 @@ async def _run(trainer) -> float:
 
     with __import__("torch").device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(trainer.config.run_dir) / "init"))
-    return sum(p.numel() for p in model.state_dict().values()) * 2 / 1e9
+    return sum(p.numel() for p in model.parameters()) * 2 / 1e9  # parameters(): tied embeddings once
 
 
 def _table(mode: str, metrics: list[dict], gb: float) -> list[dict]:

@@ -1,5 +1,6 @@
 """The trainer on Ray (placement.py), against a cluster started the way users start one (`ray start --head`):
-two learner ranks (gloo) and two transformers engines as actors, the debug config with the real sandbox.
+two learner ranks (gloo) and two transformers engines as actors, the debug config with the real sandbox
+(two replicas as actors in the first run).
 The metrics are the one-process run's, checkpoints pass between the two kinds of run both ways, and a dead
 rank or engine fails the run naming it, after which the run resumes from its last checkpoint."""
 
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def cluster():
     port = free_port()
-    subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+    # CPUs for 2 learner ranks, 2 engines and 2 sandbox actors
+    subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=6", "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, capture_output=True, cwd=REPO)
     yield f"127.0.0.1:{port}"
     if ray.is_initialized():
@@ -54,7 +56,8 @@ def steps(run_dir: Path) -> list[dict]:
 
 def test_two_ranks_and_two_engines_give_the_one_process_metrics_and_checkpoints_pass_both_ways(cluster, tmp_path):
     ray_dir, local_dir = tmp_path / "ray", tmp_path / "local"
-    train(config(ray_dir, *on_ray(cluster)))
+    # the sandboxes too are actors here, two of them, behind a token
+    train(config(ray_dir, *on_ray(cluster, "services.on_ray=true", "services.sandbox_replicas=2")))
     train(config(local_dir))
     on_cluster, alone = steps(ray_dir), steps(local_dir)
     assert [m["step"] for m in on_cluster] == [1, 2]
@@ -93,3 +96,45 @@ def test_a_dead_actor_fails_the_run_naming_it_and_the_run_resumes(cluster, tmp_p
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_1"
     train(cfg)
     assert [m["step"] for m in steps(run_dir)] == [1, 2, 3]
+
+
+def test_services_on_ray_run_in_actors_bound_to_their_node_behind_a_token(cluster, tmp_path):
+    import asyncio
+
+    import httpx
+
+    from agentrl.run import ServicesConfig
+    from agentrl.services import Services
+    from agentrl.tools import build_tools
+    from agentrl.types import ToolCall
+
+    if not ray.is_initialized():
+        ray.init(address=cluster)
+    config = ServicesConfig(on_ray=True, sandbox_replicas=2, sandbox_args=["--workers", "1"])
+    with Services(["python"], config, tmp_path) as services:
+        urls = services.urls["python"]
+        node = ray.util.get_node_ip_address()
+        assert len(set(urls)) == 2 and all(httpx.URL(u).host == node for u in urls)
+        assert services.sandbox_token  # generated: the sandboxes listen off loopback
+        refused = httpx.post(urls[0] + "/run_code", json={"code": "print(1)", "language": "python"}, timeout=30)
+        assert refused.status_code == 401
+        tool = build_tools(services.urls, sandbox_token=services.sandbox_token)["python"]
+
+        async def run() -> list:
+            try:
+                return [await tool.call(ToolCall("python", {"code": "print(6 * 7)"})) for _ in range(4)]
+            finally:
+                await tool.aclose()
+
+        results = asyncio.run(run())
+    assert [(r.error, r.text.strip()) for r in results] == [(None, "42")] * 4
+    assert {p.name for p in tmp_path.glob("*.log")} == {"sandbox-0.log", "sandbox-1.log"}
+
+
+def test_a_cluster_too_small_for_the_actors_is_an_error_naming_both(cluster, tmp_path):
+    from agentrl.config import ConfigError
+    from agentrl.placement import Placement
+
+    with pytest.raises(ConfigError, match=r"need 10 CPUs and 0 GPUs \(8 learner ranks, 2 engines.*the Ray cluster has "
+                                          r"6 CPUs and 0 GPUs"):
+        Placement(config(tmp_path, *on_ray(cluster, "placement.learner_ranks=8")))

@@ -198,7 +198,7 @@ def _write_rows(tmp_path: Path, rows: list[dict]) -> Path:
 def test_a_sandbox_killed_mid_run_gives_error_observations_and_is_restarted(tmp_path):
     def kill_at_step_2(step: int) -> None:
         if step == 2:
-            service = trainer.services.managed["python"]
+            service = trainer.services.managed[0]
             os.killpg(service.proc.pid, signal.SIGKILL)
             service.proc.wait()
 

@@ -77,6 +77,10 @@ class AlgoConfig(StrictModel):
     tis_cap: float | None = Field(
         None, gt=0.0, description="truncated importance sampling between engine and learner logprobs, e.g. 2"
     )
+    off_policy: Literal["decoupled", "behaviour"] = Field(
+        "decoupled", description="the PPO ratio's denominator: decoupled, the learner's logprobs before the step "
+        "(the proximal policy; with tis_cap, weighted by its capped ratio to the engine's); behaviour, the "
+        "engine's logprobs (plain PPO against the policy that sampled, however stale)")
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     drop_void_turns: bool = Field(
         False, description="SimpleTIR: trajectories with a turn that neither called a tool nor answered "

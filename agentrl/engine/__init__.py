@@ -45,6 +45,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     stop_str: str | None = None  # the stop string that ended generation; None for EOS or length
+    # runs of (tokens, policy version that sampled them), in order (engine/versioned.py); None: not tracked
+    versions: list[tuple[int, int]] | None = None
 
 
 # What an engine says when asked for new weights while its requests still run.

@@ -8,6 +8,7 @@ Clients: code.py (the sandbox service, sandbox/) and search.py (the retrieval se
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol, runtime_checkable
 
 import httpx
@@ -66,11 +67,34 @@ TOOL_SCHEMAS: dict[str, dict] = {
 }
 
 
-def build_tools(urls: dict[str, str], search_topk: int = 3) -> dict[str, Tool]:
-    """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, `search`: the
-    retriever, returning `search_topk` passages a query)."""
+def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3,
+                sandbox_token: str | None = None) -> dict[str, Tool]:
+    """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, sent
+    `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query). A list of URLs is
+    one tool over replicas of its service."""
     from agentrl.tools.code import CodeTool
     from agentrl.tools.search import SearchTool
 
-    clients = {"python": CodeTool, "search": lambda url: SearchTool(url, topk=search_topk)}
-    return {name: clients[name](url) for name, url in urls.items()}
+    clients = {"python": lambda url: CodeTool(url, token=sandbox_token),
+               "search": lambda url: SearchTool(url, topk=search_topk)}
+    return {name: Replicas([clients[name](u) for u in url]) if isinstance(url, list) else clients[name](url)
+            for name, url in urls.items()}
+
+
+class Replicas:
+    """One tool over several replicas of its service: each call goes to the next, round-robin (calls are
+    stateless), so a run's many engines spread their tool calls evenly."""
+
+    def __init__(self, tools: list[Tool]) -> None:
+        if not tools:
+            raise ValueError("Replicas needs at least one tool")
+        self.tools = tools
+        self.name = tools[0].name
+        self._next = itertools.count()
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        return await self.tools[next(self._next) % len(self.tools)].call(call)
+
+    async def aclose(self) -> None:
+        for tool in self.tools:
+            await tool.aclose()

@@ -1,0 +1,39 @@
+"""The run's auto services (services.py): several sandbox replicas share the code calls round-robin, each
+with its own log, over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agentrl.run import ServicesConfig
+from agentrl.services import Services
+from agentrl.tools import Replicas, build_tools
+from agentrl.types import ToolCall
+
+SIX_BY_SEVEN = ToolCall("python", {"code": "print(6 * 7)"})
+
+
+async def _calls(tool, k: int) -> list:
+    return [await tool.call(SIX_BY_SEVEN) for _ in range(k)]
+
+
+def test_sandbox_replicas_share_the_calls_round_robin(tmp_path):
+    config = ServicesConfig(sandbox_replicas=2, sandbox_args=["--workers", "1"])
+    with Services(["python"], config, tmp_path) as services:
+        urls = services.urls["python"]
+        assert isinstance(urls, list) and len(set(urls)) == 2
+        tool = build_tools(services.urls)["python"]
+        assert isinstance(tool, Replicas)
+
+        async def run() -> tuple[list, list]:
+            both = await _calls(tool, 2)
+            services.managed[0].stop()  # replica 0 down: every other call now fails, the rest still run
+            after = await _calls(tool, 4)
+            await tool.aclose()
+            return both, after
+
+        both, after = asyncio.run(run())
+    assert [(r.error, r.text.strip()) for r in both] == [(None, "42"), (None, "42")]
+    assert [r.error == "connection" for r in after] == [True, False, True, False]
+    assert [r.text.strip() for r in after[1::2]] == ["42", "42"]
+    assert {p.name for p in tmp_path.glob("*.log")} == {"sandbox-0.log", "sandbox-1.log"}
