@@ -140,7 +140,7 @@ def sft(config: SFTConfig) -> RunDir:
     total = t.epochs * steps_per_epoch
     run_dir = RunDir(config.run_dir)
     run_dir.create()
-    policy = PolicyWorker(config.learner, AlgoConfig(loss_agg="token_mean"), model=build_lm(config))
+    policy = PolicyWorker(config.learner, AlgoConfig(loss_agg="token_mean", tis_cap=None), model=build_lm(config))
     step = 0
     if (latest := run_dir.latest_checkpoint()) is not None:
         policy.load(str(latest / "actor"))

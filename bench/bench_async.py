@@ -3,8 +3,9 @@
 Runs the quickstart's code RL stage (configs/quickstart_code.yaml: GRPO from the SFT checkpoint, the real
 sandbox, the transformers engine) once per setting and seed, then evaluates each export on the held-out
 problems as `make demo` does (200 problems x 4 samples at temperature 1). A setting is `sync`, or
-`async:S` (trainer.mode async, max_staleness S), optionally `:behaviour` (the PPO ratio against the
-engine's logprobs: no off-policy correction). Prints held-out accuracy, tool-call rate, the training
+`async:S` (trainer.mode async, max_staleness S), optionally followed by `:behaviour` (the PPO ratio
+against the engine's logprobs: no off-policy correction) or `:tisC` (importance weights of the proximal
+against the behaviour policy, capped at C). Prints held-out accuracy, tool-call rate, the training
 tokens/s over the run and its ratio to the synchronous run of the same seed, and what was dropped.
 Needs `make demo` (or its prepare and SFT steps) to have written runs/quickstart first.
 
@@ -60,8 +61,13 @@ def _one(setting: str, seed: int, steps: int, out: Path) -> dict:
     sets = [f"trainer.run_dir={run_dir}", f"trainer.seed={seed}", f"trainer.steps={steps}", "logging.progress=false"]
     if parts[0] == "async":
         sets += ["trainer.mode=async", f"trainer.max_staleness={parts[1]}"]
-    if parts[-1] == "behaviour":
-        sets.append("algo.off_policy=behaviour")
+    for part in parts[2:]:
+        if part == "behaviour":
+            sets.append("algo.off_policy=behaviour")
+        elif part.startswith("tis"):
+            sets.append(f"algo.tis_cap={part[3:]}")
+        else:
+            sys.exit(f"setting {setting!r}: {part!r} is not behaviour or tis<cap>")
     config = load_run_config(REPO / "configs/quickstart_code.yaml", sets)
     start = time.perf_counter()
     train(config)

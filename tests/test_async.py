@@ -71,6 +71,17 @@ def test_a_weight_update_mid_generation_waits_for_a_token_boundary_and_keeps_wha
     assert engine.stats["paused_requests"] == 1
 
 
+def test_an_engine_out_of_context_ends_the_completion_instead_of_being_asked_again():
+    class Full(WeightsEngine):
+        async def generate(self, prompt_ids, sampling, *, session=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return Completion([9, 9], [-1.0, -1.0], "length")  # fewer than asked: its window is full
+
+    inner = Full()
+    c = asyncio.run(VersionedEngine(inner, tokenizer=None, chunk_tokens=4).generate([1], Sampling(max_tokens=12)))
+    assert (c.token_ids, c.finish_reason, c.versions, inner.calls) == ([9, 9], "length", [(2, 0)], 1)
+
+
 def test_the_trajectory_carries_each_version_on_its_own_segment(tok):
     from agentrl.task import Budgets
     from agentrl.tools.formats import build_format

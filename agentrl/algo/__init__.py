@@ -75,12 +75,12 @@ class AlgoConfig(StrictModel):
     entropy_coef: float = Field(0.0, ge=0.0)
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping range; unset: no clipping")
     tis_cap: float | None = Field(
-        None, gt=0.0, description="truncated importance sampling between engine and learner logprobs, e.g. 2"
-    )
+        2.0, gt=0.0, description="decoupled: each token's loss weighted by min(pi_learner_old / pi_engine, tis_cap), "
+        "truncated importance sampling against the policy that sampled (engine numerics, stale weights); null: no weights")
     off_policy: Literal["decoupled", "behaviour"] = Field(
         "decoupled", description="the PPO ratio's denominator: decoupled, the learner's logprobs before the step "
-        "(the proximal policy; with tis_cap, weighted by its capped ratio to the engine's); behaviour, the "
-        "engine's logprobs (plain PPO against the policy that sampled, however stale)")
+        "(the proximal policy), with the tis_cap weights to the engine's (AReaL's decoupled objective); behaviour, "
+        "the engine's logprobs (plain PPO against the policy that sampled, however stale)")
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     drop_void_turns: bool = Field(
         False, description="SimpleTIR: trajectories with a turn that neither called a tool nor answered "

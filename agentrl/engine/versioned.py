@@ -63,7 +63,8 @@ class VersionedEngine:
                 else:
                     versions.append((len(new), version))
             part += 1
-            if finish == "stop" or len(ids) >= sampling.max_tokens or not new:
+            # done: a stop, the budget, or an engine that gave fewer tokens than asked (its context is full)
+            if finish == "stop" or len(ids) >= sampling.max_tokens or len(new) < request.max_tokens:
                 reason = "stop" if finish == "stop" else "length"
                 return Completion(ids, logprobs, reason, stop_str, versions=versions)
 

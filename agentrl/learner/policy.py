@@ -77,7 +77,7 @@ class PolicyWorker(Worker):
                                         algo.dual_clip)
         stats: dict[str, Tensor] = {}
         weights_T, token_mean_T = loss_weights(mb, batch, algo)
-        if algo.tis_cap is not None:
+        if algo.tis_cap is not None and algo.off_policy == "decoupled":  # behaviour: the ratio is to the engine's
             tis_T = truncated_is_weights(old_T, mb.engine_logprobs_T, algo.tis_cap)
             pg_T = pg_T * tis_T
             stats["tis_weight"] = masked_sum(tis_T, token_mean_T)
