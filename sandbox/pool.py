@@ -19,6 +19,9 @@ from sandbox.run import Job, Outcome, execute
 from sandbox.settings import Settings
 from sandbox.worker import Zygote
 
+# Runs handed again to a fresh supervisor when one failed to set itself up before the program started.
+SETUP_RETRIES = 2
+
 log = logging.getLogger("sandbox.pool")
 
 
@@ -99,8 +102,12 @@ class WorkerPool:
             getter.cancel()
 
     async def run(self, job: Job) -> Outcome:
-        worker = await self.acquire()
-        return await execute(worker, job, self.settings, self.release)
+        outcome = await execute(await self.acquire(), job, self.settings, self.release)
+        for _ in range(SETUP_RETRIES):  # a pre-started supervisor failed before the program ran: afresh
+            if not outcome.setup_failed:
+                break
+            outcome = await execute(await self.acquire(), job, self.settings, self.release)
+        return outcome
 
     def release(self, worker: Zygote) -> None:
         if worker.alive:

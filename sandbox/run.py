@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sandbox.program import SETUP_FAILED
 from sandbox.settings import Settings
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class Outcome:
     files: dict[str, str] = field(default_factory=dict)
     message: str = ""
     refused: str = ""  # the request could not be set up (its files do not fit): server.py answers 413
+    # the supervisor failed to set itself up before the program started (nothing of the run happened), so a
+    # fresh one may take the same run
+    setup_failed: bool = False
 
 
 class OutputCapture:
@@ -215,8 +219,10 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
             await _streams_closed(out, err)
             why = "killed at its backstop deadline" if final.get("timed_out") else (
                 final.get("error") or f"exit status {final.get('code')}")
-            return Outcome("Error", final.get("elapsed"), stdout=out.take(), stderr=err.take(),
-                           message=f"the run's supervisor ended without a report ({why})")
+            stdout, stderr = out.take(), err.take()
+            return Outcome("Error", final.get("elapsed"), stdout=stdout, stderr=stderr,
+                           message=f"the run's supervisor ended without a report ({why})",
+                           setup_failed=final.get("code") == SETUP_FAILED and not stdout and not stderr)
         await _streams_closed(out, err)
         return _outcome(result, out.take(), err.take(), settings)
     except asyncio.CancelledError:
