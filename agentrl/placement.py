@@ -166,7 +166,7 @@ class _LearnerRank:
         ipc (rank i to engine i on its GPU) or nccl (rank 0's broadcast to every engine's workers)."""
         import ray
 
-        from agentrl.engine import GPU_BUCKET_BYTES, bucket_by_bytes, cuda_ipc_handle, flat_bucket
+        from agentrl.engine import bucket_by_bytes, cuda_ipc_handle, flat_buckets
 
         state = self.learner.policy.state_for_sync()  # collective: every rank gathers every tensor
         if transport == "ipc":
@@ -176,15 +176,13 @@ class _LearnerRank:
                 pass
             return
         if transport == "nccl":
-            for bucket in bucket_by_bytes(state, GPU_BUCKET_BYTES):
-                flat, layout = flat_bucket(bucket)
+            for flat, layout in flat_buckets(state):
                 receiving = [e.receive_bucket.remote(layout, flat.numel()) for e in engines]
                 self.broadcast.send(flat)
                 ray.get(receiving)
                 del flat
         elif transport == "ipc":
-            for bucket in bucket_by_bytes(state, GPU_BUCKET_BYTES):
-                flat, layout = flat_bucket(bucket)
+            for flat, layout in flat_buckets(state):
                 ray.get(engines[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))  # mapped, then freed
                 del flat
         else:
@@ -214,7 +212,8 @@ class RayLearner:
         self.config = config
         ranks = config.placement.learner_ranks
         actor = ray.remote(_LearnerRank)
-        self.ranks = [actor.options(**placement.options(b, gpus)).remote() for b, gpus in placement.layout.ranks]
+        self.ranks = [actor.options(**placement.options(b, gpus, **_shared_gpu_nccl(config, None))).remote()
+                      for b, gpus in placement.layout.ranks]
         master = ray.get(self.ranks[0].address.remote())
         dump = config.model_dump(mode="json")
         self._all("setup", dump, None, ranks, master, per_rank=True)
@@ -361,12 +360,6 @@ class RayEngine:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         return await self._call("generate", prompt_ids, sampling, session)
 
-    async def load_weight_bucket(self, payload: bytes) -> int:
-        return await self._call("load_weight_bucket", payload)
-
-    async def weights_loaded(self) -> None:
-        await self._call("weights_loaded")
-
     async def sleep(self, level: int = 1) -> None:
         await self._call("sleep", level)
 
@@ -383,19 +376,33 @@ class RayEngine:
         ray.kill(self.actor)
 
 
+# NCCL carries a broadcast between two processes on one GPU over TCP sockets: more of them per connection
+# than its default (one) lifts the rate (bench/bench_weight_broadcast.py). Both ends take the same setting;
+# a value already in the environment wins.
+SHARED_GPU_SOCKETS = {"NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "4"}
+
+
+def _shared_gpu_nccl(config: Any, host_id: str | None) -> dict[str, Any]:
+    """Actor options for a member of the weight group where split engines share the learner's GPUs
+    (`share_gpus`), none otherwise: NCCL refuses two members of one group on one GPU of one host, so an
+    engine takes an NCCL host id of its own (`host_id`; the learner keeps the machine's) and NCCL treats
+    the two as hosts apart, over sockets (SHARED_GPU_SOCKETS)."""
+    p = config.placement
+    if not (config.engine.kind == "vllm" and p.mode == "split" and p.shares_gpus("vllm")):
+        return {}
+    env = {k: os.environ.get(k, v) for k, v in SHARED_GPU_SOCKETS.items()}
+    return {"runtime_env": {"env_vars": env | ({"NCCL_HOSTID": host_id} if host_id else {})}}
+
+
 def ray_engines(config: Any, placement: Placement, model_dir: str | None) -> list[RayEngine]:
-    """The run's engine actors (replica i samples with seed trainer.seed + i), as Engine clients. Split
-    engines sharing a learner's GPU (`share_gpus`) get an NCCL host id of their own: NCCL refuses two
-    members of one group on one GPU of one host, and so treats them as two hosts."""
+    """The run's engine actors (replica i samples with seed trainer.seed + i), as Engine clients."""
     import ray
 
-    p = config.placement
     dump = config.model_dump(mode="json")
     actors = []
     for j, (bundle, gpus) in enumerate(placement.layout.engines):
-        extra: dict[str, Any] = {"max_concurrency": 4096}  # a rollout's requests in flight at once
-        if config.engine.kind == "vllm" and p.mode == "split" and p.shares_gpus("vllm"):
-            extra["runtime_env"] = {"env_vars": {"NCCL_HOSTID": f"agentrl-engine-{j}"}}
+        # max_concurrency: a rollout's requests in flight at once
+        extra: dict[str, Any] = {"max_concurrency": 4096} | _shared_gpu_nccl(config, f"agentrl-engine-{j}")
         actor = ray.remote(_EngineActor).options(**placement.options(bundle, gpus, **extra))
         actors.append(actor.remote(dump, config.trainer.seed + j, model_dir))
     limits = ray.get([a.max_context_tokens.remote() for a in actors])

@@ -225,7 +225,7 @@ class Trainer:
 
     def _vllm_engine(self, lm: torch.nn.Module) -> Any:
         """A vLLM engine on this GPU, started from the policy's checkpoint or its random init."""
-        return vllm_engine(self.config, self._model_dir(lm), seed=self.config.trainer.seed)
+        return vllm_engine(self.config, self._model_dir(lm))
 
     def _model_dir(self, lm: torch.nn.Module | None) -> str:
         """What a vLLM engine loads at start (it loads weights from files): model.path, or the random init
@@ -417,7 +417,7 @@ class Trainer:
         metrics = self.services.revive()
         if self.on_step_start is not None:
             self.on_step_start(self.step)
-        learner_version = self.step - 1
+        learner_version = self.rollout_engine.version  # the steps pushed so far
         kept: list[tuple[int, int, Prompt, Group]] = []
         stale = uninformative = 0
         while len(kept) < t.prompts_per_step:

@@ -148,6 +148,13 @@ def flat_bucket(bucket: Sequence[tuple[str, Any]]) -> tuple[Any, list[tuple[str,
     return flat, layout
 
 
+def flat_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None = None) -> Iterator[tuple[Any, list]]:
+    """`flat_bucket` of each bucket of HF-named GPU tensors (`GPU_BUCKET_BYTES` by default), one at a time: the
+    caller drops each buffer (`del`) once its receivers are done with it, before asking for the next."""
+    for bucket in bucket_by_bytes(named_tensors, bucket_bytes or GPU_BUCKET_BYTES):
+        yield flat_bucket(bucket)
+
+
 def cuda_ipc_handle(flat: Any) -> bytes:
     """What another process on the same GPU needs to map `flat` (torch's `rebuild_cuda_tensor` arguments,
     pickled). `flat` must outlive the receiver's use of it."""

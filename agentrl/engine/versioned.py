@@ -34,7 +34,7 @@ class VersionedEngine:
         self._in_flight = 0
         self._updating = False
         self._changed = asyncio.Condition()
-        self.stats = {"requests": 0, "paused_requests": 0}
+        self.stats = {"paused_requests": 0}
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         ids: list[int] = []
@@ -76,7 +76,6 @@ class VersionedEngine:
             self._in_flight += 1
             version = self.version
         try:
-            self.stats["requests"] += 1
             return await self.engine.generate(ids, sampling, session=session), version
         finally:
             async with self._changed:

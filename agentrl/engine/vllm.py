@@ -162,12 +162,11 @@ class VLLMEngine:
         the prefix cache is reset. Returns how many tensors. The buffer lives until the workers return."""
         import torch
 
-        from agentrl.engine import GPU_BUCKET_BYTES, bucket_by_bytes, cuda_ipc_handle, flat_bucket
+        from agentrl.engine import cuda_ipc_handle, flat_buckets
 
         refuse_in_flight(self._in_flight)
         total = 0
-        for bucket in bucket_by_bytes(named_tensors, bucket_bytes or GPU_BUCKET_BYTES):
-            flat, layout = flat_bucket(bucket)
+        for flat, layout in flat_buckets(named_tensors, bucket_bytes):
             total += await self.load_ipc_bucket(cuda_ipc_handle(flat), layout)
             del flat
         torch.cuda.ipc_collect()
