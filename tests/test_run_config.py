@@ -104,3 +104,19 @@ def test_the_layout_places_colocated_engines_on_the_learners_gpus_and_split_ones
     assert split.needs() == {"CPU": 5.0, "GPU": 8.0}
     cpu = Layout(load_run_config(DEBUG, ["placement.learner_ranks=2", "placement.engines=2"]))
     assert cpu.needs() == {"CPU": 4.0, "GPU": 0.0} and all("GPU" not in b for b in cpu.bundles)
+
+
+def test_split_engines_sharing_the_learners_gpu_take_an_nccl_host_id_and_the_socket_setting(monkeypatch):
+    from agentrl.placement import SHARED_GPU_SOCKETS, _shared_gpu_nccl
+
+    recipe = REPO / "configs/torl_qwen2.5-math-1.5b.yaml"
+    shared = load_run_config(recipe, ["placement.mode=split", "placement.share_gpus=true"])
+    monkeypatch.delenv("NCCL_NSOCKS_PERTHREAD", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_NTHREADS", raising=False)
+    assert _shared_gpu_nccl(shared, "agentrl-engine-0")["runtime_env"]["env_vars"] == SHARED_GPU_SOCKETS | {
+        "NCCL_HOSTID": "agentrl-engine-0"}
+    assert _shared_gpu_nccl(shared, None)["runtime_env"]["env_vars"] == SHARED_GPU_SOCKETS  # the learner's end
+    monkeypatch.setenv("NCCL_SOCKET_NTHREADS", "2")  # the environment's own setting wins
+    assert _shared_gpu_nccl(shared, None)["runtime_env"]["env_vars"]["NCCL_SOCKET_NTHREADS"] == "2"
+    for sets in (["placement.mode=split"], []):  # engines on GPUs of their own; colocated (CUDA IPC)
+        assert _shared_gpu_nccl(load_run_config(recipe, sets), "agentrl-engine-0") == {}
