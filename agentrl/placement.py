@@ -388,7 +388,7 @@ def _shared_gpu_nccl(config: Any, host_id: str | None) -> dict[str, Any]:
     engine takes an NCCL host id of its own (`host_id`; the learner keeps the machine's) and NCCL treats
     the two as hosts apart, over sockets (SHARED_GPU_SOCKETS)."""
     p = config.placement
-    if not (config.engine.kind == "vllm" and p.mode == "split" and p.shares_gpus("vllm")):
+    if not (config.engine.kind == "vllm" and p.mode == "split" and p.share_gpus):
         return {}
     env = {k: os.environ.get(k, v) for k, v in SHARED_GPU_SOCKETS.items()}
     return {"runtime_env": {"env_vars": env | ({"NCCL_HOSTID": host_id} if host_id else {})}}
