@@ -228,14 +228,15 @@ async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
 
 async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
                   budgets: Budgets, tokenizer: Any, config: RolloutConfig,
-                  on_done: Callable[[], None] | None = None) -> list[Group]:
+                  on_done: Callable[[], None] | None = None, priority: int = 0) -> list[Group]:
     """`config.n` trajectories for every prompt, grouped by prompt, in prompt order. The engine's context
     window, where it declares one, caps `budgets.max_context_tokens`. `on_done` is called as each
-    trajectory ends (a progress bar's tick)."""
+    trajectory ends (a progress bar's tick). Every request carries `priority` (`Sampling.priority`)."""
     window = getattr(engine, "max_context_tokens", None)
     if window and (budgets.max_context_tokens is None or window < budgets.max_context_tokens):
         budgets = budgets.model_copy(update={"max_context_tokens": window})
-    base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                    priority=priority)
     builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
     if config.mode == "async":
         await _all(_run_async(b, engine, tools, base, config.tool_timeout_s, on_done) for b in builders)

@@ -98,14 +98,19 @@ def build_lm(config: RunConfig) -> torch.nn.Module:
 
 
 def vllm_engine(config: RunConfig, model_dir: str, **overrides: Any) -> Any:
-    """The run's vLLM engine (engine.* settings) over the weights in `model_dir`."""
+    """The run's vLLM engine (engine.* settings) over the weights in `model_dir`: in this process, or with
+    `engine.own_process` in a child process behind the same interface (engine/process.py)."""
     from agentrl.engine.vllm import VLLMEngine
 
     e = config.engine
-    kwargs = dict(gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+    kwargs = dict(model=model_dir, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                   enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager,
-                  tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed)
-    return VLLMEngine(model_dir, **(kwargs | overrides))
+                  tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed) | overrides
+    if e.own_process:
+        from agentrl.engine.process import ProcessEngine
+
+        return ProcessEngine(VLLMEngine, kwargs)
+    return VLLMEngine(**kwargs)
 
 
 class Learner:
@@ -392,13 +397,17 @@ class Trainer:
             await asyncio.gather(*running, return_exceptions=True)
 
     async def _one_group(self, index: int, epoch: int, prompt: Prompt) -> None:
-        """Roll out and score one group, seeded as the synchronous trainer seeds the step it is drawn for."""
+        """Roll out and score one group, seeded as the synchronous trainer seeds the step it is drawn for. Its
+        requests go before those of groups drawn for later steps (`Sampling.priority`): the lookahead takes
+        only the engine capacity that the next step's groups leave, so they finish as soon as they would
+        alone, and their tokens are no staler than they need be."""
         t = self.config.trainer
-        seed = t.seed * 1_000_003 + (index // t.prompts_per_step + 1) * 101
+        step = index // t.prompts_per_step  # the step it is drawn for, less one
+        seed = t.seed * 1_000_003 + (step + 1) * 101
         try:
             [group] = await rollout([prompt], engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
                                     budgets=self.config.task.budgets, tokenizer=self.tokenizer,
-                                    config=self.config.rollout.model_copy(update={"seed": seed}))
+                                    config=self.config.rollout.model_copy(update={"seed": seed}), priority=step)
             score(group.trajectories, self.reward, self.tokenizer)
             await self._queue.put((index, epoch, prompt, group))
         except asyncio.CancelledError:

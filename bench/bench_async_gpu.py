@@ -6,7 +6,9 @@ one after another, the config otherwise the same:
 - `sync`: the synchronous trainer (vLLM asleep while the learner trains, then the weight push);
 - `async:S`: trainer.mode async with max_staleness S: vLLM stays awake and generates the next groups while
   the learner trains on the last ones (in requests of trainer.chunk_tokens, so a push waits only for a
-  token boundary).
+  token boundary);
+- either followed by `+proc`: engine.own_process, vLLM (and its frontend) in a child process of its own,
+  weights still by CUDA IPC.
 Over steps 2+ (step 1 holds vLLM's CUDA-graph warm-up and, in async, the pipeline filling) it prints the
 training tokens/s (tokens trained on per second of step time, checkpoints left out) and its ratio to
 `sync`, the mean step's parts (rollout: generation in sync, the learner's wait for groups in async), and
@@ -61,13 +63,13 @@ def main() -> None:
             rows.append(json.loads(result.read_text()))
         if args.out:  # after each setting: what finished survives a later one's failure
             Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
-    base = next((r["tokens_per_s"] for r in rows if r["setting"] == "sync"), float("nan"))
+    base = next((r["tokens_per_s"] for r in rows if r["setting"].startswith("sync")), float("nan"))
     print(f"\nsteps 2-{args.steps}, {args.prompts} prompts x {args.n} samples, {args.response_tokens} response tokens, "
           f"{args.shape}")
-    print(f"{'setting':>9} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
+    print(f"{'setting':>12} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
           f"{'train':>6} {'sync':>6} {'sleep+wake':>10} {'staleness':>9} {'dropped':>7} {'partial':>7}")
     for r in rows:
-        print(f"{r['setting']:>9} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
+        print(f"{r['setting']:>12} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
               f"{r['step_s']:>7.2f} {r['rollout_s']:>7.2f} {r['logprobs_s']:>8.2f} {r['train_s']:>6.2f} "
               f"{r['sync_s']:>6.2f} {r['sleep_wake_s']:>10.2f} {r['staleness']:>9.2f} {r['dropped']:>7.0f} "
               f"{100 * r['partial']:>6.1f}%")
@@ -75,12 +77,17 @@ def main() -> None:
 
 def _parse(setting: str) -> list[str]:
     """The config overrides of a setting."""
-    if setting == "sync":
-        return []
-    kind, _, staleness = setting.partition(":")
+    base, _, own = setting.partition("+")
+    if own not in ("", "proc"):
+        sys.exit(f"setting {setting!r}: expected sync or async:S, optionally followed by +proc")
+    sets = ["engine.own_process=true"] if own else []
+    if base == "sync":
+        return sets
+    kind, _, staleness = base.partition(":")
     if kind != "async" or not staleness.isdigit():
-        sys.exit(f"setting {setting!r}: expected sync or async:S (S the max staleness, an integer)")
-    return ["trainer.mode=async", f"trainer.max_staleness={staleness}"]
+        sys.exit(f"setting {setting!r}: expected sync or async:S (S the max staleness, an integer), optionally "
+                 "followed by +proc")
+    return [*sets, "trainer.mode=async", f"trainer.max_staleness={staleness}"]
 
 
 def _forward(args: argparse.Namespace) -> list[str]:

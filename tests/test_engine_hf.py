@@ -80,6 +80,23 @@ def test_sampling_is_seeded_and_logprobs_follow_temperature(model_and_tok):
     assert top2.logprobs == pytest.approx(expected, abs=1e-5)
 
 
+def test_waiting_requests_are_served_lowest_priority_first_then_in_arrival_order(model_and_tok):
+    model, tok = model_and_tok
+    engine = HFEngine(model, tok, max_batch=2)
+    finished: list[str] = []
+
+    async def one(name: str, priority: int) -> None:
+        await engine.generate(encode(tok, PROMPTS[0]), Sampling(max_tokens=3, temperature=0, priority=priority))
+        finished.append(name)
+
+    async def main() -> None:  # all five wait before the first batch is formed
+        await asyncio.gather(one("a", 1), one("b", 1), one("c", 0), one("d", 0), one("e", 1))
+
+    asyncio.run(main())
+    assert engine.stats["batches"] == 3
+    assert finished == ["c", "d", "a", "b", "e"]
+
+
 def test_stop_strings_eos_and_max_tokens(model_and_tok):
     model, tok = model_and_tok
     engine = HFEngine(model, tok)

@@ -34,6 +34,9 @@ class Sampling:
     top_k: int = 0  # 0: off
     stop: tuple[str, ...] = ()
     seed: int | None = None  # fixes this request's draws; None: the engine's own stream
+    # lower first: an engine with requests waiting serves the lowest priority first, in arrival order
+    # among equals (the asynchronous trainer's lookahead groups then take only capacity the current step leaves)
+    priority: int = 0
 
     def with_(self, **changes: object) -> Sampling:
         return replace(self, **changes)  # type: ignore[arg-type]

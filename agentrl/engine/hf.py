@@ -1,7 +1,8 @@
 """A transformers engine (CPU or GPU): concurrent requests share batched forward passes with a KV cache.
 
 Requests from many trajectories (rollout.py runs one asyncio task per trajectory) queue up; a worker
-takes whatever is waiting, up to `max_batch`, and decodes it as one batch: left-padded prefill, then one
+takes whatever is waiting, up to `max_batch` (lowest `Sampling.priority` first, then in arrival order), and
+decodes it as one batch: left-padded prefill, then one
 token per step for every unfinished row, rows leaving the KV cache as they finish. Requests arriving
 meanwhile form the next batch. The model runs in a thread so the event loop keeps serving tools.
 
@@ -77,6 +78,7 @@ class HFEngine:
 
     async def _serve(self) -> None:
         while self._queue:
+            self._queue.sort(key=lambda r: r.sampling.priority)  # stable: arrival order among equals
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
             try:
                 await asyncio.to_thread(self._decode_batch, batch)

@@ -14,7 +14,8 @@ makes engines needs an `if __name__ == "__main__":` guard. Messages are pickled 
 length and its call's id, over a Unix socket, written and read by asyncio streams on both sides, so neither
 side can block the other. Weights cross as safetensors bytes, bucket by bucket: an engine with
 `load_weight_bucket(payload)` and `weights_loaded()` (VLLMEngine) takes them as they are; any other gets
-them through `update_weights`, one bucket at a time.
+them through `update_weights`, one bucket at a time. A vLLM engine on this process's GPU maps them by CUDA
+IPC instead (`update_weights_on_gpu`): only a handle per bucket crosses the socket.
 
 Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
 a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
@@ -141,6 +142,29 @@ class ProcessEngine:
 
     async def weights_loaded(self) -> None:
         await self.call("_weights_loaded")
+
+    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
+                                    bucket_bytes: int | None = None) -> int:
+        """Load HF-named CUDA tensors of this process into the child's engine on the same GPU by CUDA IPC,
+        never through the host: each bucket is packed into one flat buffer that the child's engine maps
+        (`load_ipc_bucket`, as VLLMEngine's), and the buffer lives until it returns. Returns how many
+        tensors. Refused while any generate() of this engine is in flight, as update_weights is."""
+        import torch
+
+        from agentrl.engine import cuda_ipc_handle, flat_buckets
+
+        refuse_in_flight(self._generating)
+        self._updating += 1
+        try:
+            total = 0
+            for flat, layout in flat_buckets(named_tensors, bucket_bytes):
+                total += int(await self.call("load_ipc_bucket", cuda_ipc_handle(flat), layout))
+                del flat
+            torch.cuda.ipc_collect()
+            await self.call("weights_loaded")
+            return total
+        finally:
+            self._updating -= 1
 
     async def sleep(self, level: int = 1) -> None:
         await self.call("sleep", level=level)

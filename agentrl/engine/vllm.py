@@ -87,6 +87,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             worker_extension_cls=WORKER_EXTENSION,
+            scheduling_policy="priority",  # Sampling.priority: lower first, arrival order among equals
             disable_log_stats=not log_stats,
             **engine_kwargs,
         )
@@ -129,7 +130,8 @@ class VLLMEngine:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
                                                   request_id=f"{session or 'r'}-{uuid.uuid4().hex[:12]}",
-                                                  data_parallel_rank=self._rank(session)):
+                                                  data_parallel_rank=self._rank(session),
+                                                  priority=sampling.priority):
                 final = out
         finally:
             self._in_flight -= 1

@@ -2,7 +2,8 @@
 the same device (a random-weight Qwen2.5-0.5B-shaped model, the real Qwen2.5 tokenizer, the ToRL task with
 the real sandbox). Requests of `chunk_tokens` let each weight push (CUDA IPC) in at a token boundary, so
 trajectories in flight continue under the new weights; after the last push the engine samples from the
-learner's final weights."""
+learner's final weights. With `engine.own_process` the engine runs in a child process and each push maps
+the learner's buckets there by CUDA IPC."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.gpu.test_trainer_gpu import _run_and_compare, gpu_run_config
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 
 
-def test_async_run_on_one_gpu_keeps_generating_across_weight_pushes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("own_process", [False, True], ids=["engine-in-process", "engine-own-process"])
+def test_async_run_on_one_gpu_keeps_generating_across_weight_pushes(tmp_path, monkeypatch, own_process):
     pytest.importorskip("vllm")
     import asyncio
 
@@ -28,7 +30,8 @@ def test_async_run_on_one_gpu_keeps_generating_across_weight_pushes(tmp_path, mo
     monkeypatch.chdir(REPO)
     config = load_run_config(gpu_run_config(tmp_path, steps=3, prompts=8, n=4, samples_per_step=32),
                              ["algo.entropy_coef=0.01", "learner.optim.lr=1e-4", "trainer.mode=async",
-                              "trainer.max_staleness=1", "trainer.chunk_tokens=32"])
+                              "trainer.max_staleness=1", "trainer.chunk_tokens=32",
+                              f"engine.own_process={str(own_process).lower()}"])
     gaps = asyncio.run(_run_and_compare(Trainer(config)))
     run = Path(config.run_dir)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
