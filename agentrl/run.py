@@ -76,9 +76,9 @@ class EngineConfig(StrictModel):
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (starts faster, runs slower)")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs per engine replica (split placement)")
     own_process: bool = Field(
-        False, description="vllm in the trainer's process: the engine (with vLLM's frontend, which handles every "
-        "engine step's output) in a process of its own, so it and the learner never wait for each other's Python; "
-        "weights still go by CUDA IPC")
+        True, description="vllm, placed in the trainer's process (not on Ray, where each engine is an actor): the "
+        "engine, with vLLM's frontend that handles every engine step's output, in a child process, so it and the "
+        "learner never wait for each other's Python; weights still go by CUDA IPC. false: in the trainer's process")
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="vllm: while the learner trains, 1 frees the KV cache and moves weights to the host, "
         "2 also drops the weights (the push restores them), 0 stays awake")
@@ -219,9 +219,6 @@ class RunConfig(StrictModel):
                              "learner.device cuda (not cpu)")
         if self.engine.tensor_parallel_size > 1 and not (p.mode == "split" and self.engine.kind == "vllm"):
             raise ValueError("engine.tensor_parallel_size > 1 needs vLLM engines in placement.mode split")
-        if self.engine.own_process and (self.engine.kind != "vllm" or p.on_ray):
-            raise ValueError("engine.own_process is for a vLLM engine in the trainer's process (engine.kind vllm, "
-                             "no placement on Ray, where every engine is an actor of its own already)")
         return self
 
     @property

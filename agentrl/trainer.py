@@ -97,16 +97,16 @@ def build_lm(config: RunConfig) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(hf_config).float()
 
 
-def vllm_engine(config: RunConfig, model_dir: str, **overrides: Any) -> Any:
+def vllm_engine(config: RunConfig, model_dir: str, own_process: bool = False, **overrides: Any) -> Any:
     """The run's vLLM engine (engine.* settings) over the weights in `model_dir`: in this process, or with
-    `engine.own_process` in a child process behind the same interface (engine/process.py)."""
+    `own_process` in a child process behind the same interface (engine/process.py)."""
     from agentrl.engine.vllm import VLLMEngine
 
     e = config.engine
     kwargs = dict(model=model_dir, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                   enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager,
                   tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed) | overrides
-    if e.own_process:
+    if own_process:
         from agentrl.engine.process import ProcessEngine
 
         return ProcessEngine(VLLMEngine, kwargs)
@@ -229,8 +229,9 @@ class Trainer:
                                    seed=t.seed)
 
     def _vllm_engine(self, lm: torch.nn.Module) -> Any:
-        """A vLLM engine on this GPU, started from the policy's checkpoint or its random init."""
-        return vllm_engine(self.config, self._model_dir(lm))
+        """A vLLM engine on this GPU, started from the policy's checkpoint or its random init; in a process
+        of its own unless engine.own_process is off."""
+        return vllm_engine(self.config, self._model_dir(lm), own_process=self.config.engine.own_process)
 
     def _model_dir(self, lm: torch.nn.Module | None) -> str:
         """What a vLLM engine loads at start (it loads weights from files): model.path, or the random init

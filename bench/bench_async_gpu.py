@@ -7,8 +7,8 @@ one after another, the config otherwise the same:
 - `async:S`: trainer.mode async with max_staleness S: vLLM stays awake and generates the next groups while
   the learner trains on the last ones (in requests of trainer.chunk_tokens, so a push waits only for a
   token boundary);
-- either followed by `+proc`: engine.own_process, vLLM (and its frontend) in a child process of its own,
-  weights still by CUDA IPC.
+- either followed by `+inproc`: engine.own_process false, vLLM's frontend in the trainer's process (by
+  default it is in a child process of its own; weights go by CUDA IPC either way).
 Over steps 2+ (step 1 holds vLLM's CUDA-graph warm-up and, in async, the pipeline filling) it prints the
 training tokens/s (tokens trained on per second of step time, checkpoints left out) and its ratio to
 `sync`, the mean step's parts (rollout: generation in sync, the learner's wait for groups in async), and
@@ -63,7 +63,9 @@ def main() -> None:
             rows.append(json.loads(result.read_text()))
         if args.out:  # after each setting: what finished survives a later one's failure
             Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
-    base = next((r["tokens_per_s"] for r in rows if r["setting"].startswith("sync")), float("nan"))
+    syncs = [r["tokens_per_s"] for r in rows if r["setting"] == "sync"] or [
+        r["tokens_per_s"] for r in rows if r["setting"].startswith("sync")]
+    base = syncs[0] if syncs else float("nan")
     print(f"\nsteps 2-{args.steps}, {args.prompts} prompts x {args.n} samples, {args.response_tokens} response tokens, "
           f"{args.shape}")
     print(f"{'setting':>12} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
@@ -77,16 +79,16 @@ def main() -> None:
 
 def _parse(setting: str) -> list[str]:
     """The config overrides of a setting."""
-    base, _, own = setting.partition("+")
-    if own not in ("", "proc"):
-        sys.exit(f"setting {setting!r}: expected sync or async:S, optionally followed by +proc")
-    sets = ["engine.own_process=true"] if own else []
+    base, _, where = setting.partition("+")
+    if where not in ("", "inproc"):
+        sys.exit(f"setting {setting!r}: expected sync or async:S, optionally followed by +inproc")
+    sets = ["engine.own_process=false"] if where else []
     if base == "sync":
         return sets
     kind, _, staleness = base.partition(":")
     if kind != "async" or not staleness.isdigit():
         sys.exit(f"setting {setting!r}: expected sync or async:S (S the max staleness, an integer), optionally "
-                 "followed by +proc")
+                 "followed by +inproc")
     return [*sets, "trainer.mode=async", f"trainer.max_staleness={staleness}"]
 
 

@@ -84,8 +84,6 @@ def test_the_recipes_keep_the_papers_settings():
     (["placement.engines=2", "placement.learner_ranks=1"], "placement.engines = placement.learner_ranks"),
     (["engine.tensor_parallel_size=2"], "placement.mode split"),
     (["learner.device=cpu"], "set learner.device cuda"),
-    (["engine.own_process=true", "placement.mode=split"], "engine.own_process is for a vLLM engine"),
-    (["engine.own_process=true", "engine.kind=hf"], "engine.own_process is for a vLLM engine"),
 ])
 def test_placement_contradictions_are_errors(sets, message):
     with pytest.raises(ConfigError, match=message):

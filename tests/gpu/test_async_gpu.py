@@ -2,8 +2,8 @@
 the same device (a random-weight Qwen2.5-0.5B-shaped model, the real Qwen2.5 tokenizer, the ToRL task with
 the real sandbox). Requests of `chunk_tokens` let each weight push (CUDA IPC) in at a token boundary, so
 trajectories in flight continue under the new weights; after the last push the engine samples from the
-learner's final weights. With `engine.own_process` the engine runs in a child process and each push maps
-the learner's buckets there by CUDA IPC."""
+learner's final weights. The engine runs in a child process (engine.own_process, the default), each push mapping the
+learner's buckets there by CUDA IPC, or in the trainer's process."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.gpu.test_trainer_gpu import _run_and_compare, gpu_run_config
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 
 
-@pytest.mark.parametrize("own_process", [False, True], ids=["engine-in-process", "engine-own-process"])
+@pytest.mark.parametrize("own_process", [True, False], ids=["engine-own-process", "engine-in-process"])
 def test_async_run_on_one_gpu_keeps_generating_across_weight_pushes(tmp_path, monkeypatch, own_process):
     pytest.importorskip("vllm")
     import asyncio
