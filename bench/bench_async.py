@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ def _one(setting: str, seed: int, steps: int, out: Path) -> dict:
     parts = setting.split(":")
     name = f"{setting.replace(':', '_')}_seed{seed}"
     run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: one left here would be resumed, not measured
     sets = [f"trainer.run_dir={run_dir}", f"trainer.seed={seed}", f"trainer.steps={steps}", "logging.progress=false"]
     if parts[0] == "async":
         sets += ["trainer.mode=async", f"trainer.max_staleness={parts[1]}"]

@@ -69,6 +69,28 @@ def test_two_ranks_and_two_engines_give_the_one_process_metrics_and_checkpoints_
     assert (ray_dir / "checkpoints/latest").read_text().strip() == "step_4"
 
 
+def test_asynchronous_training_in_split_mode_keeps_the_staleness_bound_and_tags_every_segment(cluster, tmp_path):
+    """Asynchronous training on Ray, engines apart from the learner's ranks: rollout goes on over the
+    engine actors while the two ranks train, every model segment carries the version that sampled it, and
+    no trained token is more than max_staleness versions behind the learner."""
+    run_dir = tmp_path / "run"
+    train(config(run_dir, *on_ray(cluster, "placement.mode=split", "trainer.steps=3", "trainer.mode=async",
+                                  "trainer.max_staleness=1", "trainer.chunk_tokens=8", "trainer.samples_per_step=16")))
+    metrics = steps(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["async/staleness_max"] <= 1 and m["async/dropped_stale"] == 0
+    assert metrics[0]["async/staleness_max"] == 0  # the first step's groups: all sampled by the initial weights
+    for step in (1, 2, 3):
+        rows = [json.loads(line) for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16
+        for row in rows:
+            versions = [s["version"] for s in row["segments"] if s["source"] == "model"]
+            assert versions and versions == sorted(versions)  # a trajectory spanning a push: the older first
+            assert step - 2 <= min(versions) and max(versions) <= step - 1
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_3"
+
+
 @pytest.mark.parametrize("victim", ["rank", "engine"])
 def test_a_dead_actor_fails_the_run_naming_it_and_the_run_resumes(cluster, tmp_path, victim):
     import asyncio
