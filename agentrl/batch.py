@@ -5,8 +5,12 @@
    never a rebuilt mask): truncated trajectories (overlong filtering) and, as SimpleTIR does, those with a
    void turn (a turn with neither a tool call nor a final answer).
 3. Split the groups into the step's mini-batches and pack each once (learner/packing.py).
-4. Logprobs under the weights that sampled (old), the reference's, the critic's values, mini-batch by
-   mini-batch, assembled in the response layout [B, R].
+4. The learner's logprobs before the step (old: the proximal policy of the decoupled objective), the
+   reference's, the critic's values, mini-batch by mini-batch, assembled in the response layout [B, R].
+   The old-logprobs pass runs only where the step's one forward cannot stand in for it: with one
+   optimizer step (one PPO epoch of one mini-batch) the weights before the step are the weights of the
+   training forward, so the policy takes them from there, detached (learner/policy.py), and the pass's
+   forward over the whole batch is saved. A reference in the reward (kl.use=reward) still needs them here.
 5. Advantages over the whole step (algo/advantage.py), then `Batch.set` on every mini-batch.
 
 The trainer calls `build_batch` once per step and hands the mini-batches to the learner.
@@ -53,7 +57,8 @@ def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
 
 
 def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int, mini_batches: int, policy: Any,
-                reference: Any = None, critic: Any = None, drop_void_turns: bool = False) -> StepBatch:
+                reference: Any = None, critic: Any = None, drop_void_turns: bool = False,
+                ppo_epochs: int = 1) -> StepBatch:
     trajectories, rewards_B, group_ids_B = flatten_groups(groups)
     layout = response_layout(trajectories)
     metrics = {"reward/mean": float(rewards_B.mean())}
@@ -86,8 +91,10 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
         return out_BR
 
     mask_BR = layout.mask_BR * scale_B[:, None]
-    old_BR = assemble(policy.compute_logprobs)
     ref_BR = assemble(reference.compute_logprobs) if reference is not None else None
+    one_step = ppo_epochs == 1 and len(batches) == 1
+    needs_old = (algo.off_policy == "decoupled" and not one_step) or ref_BR is not None
+    old_BR = assemble(policy.compute_logprobs) if needs_old else None
     values_BR = assemble(critic.compute_values) if critic is not None else None
     kl_BR = kl_penalty(old_BR, ref_BR, algo.kl.estimator) * layout.mask_BR if ref_BR is not None else None
     advantages_BR, returns_BR = compute_advantages(algo, rewards_B, group_ids_B, mask_BR, values_BR, kl_BR)
@@ -95,7 +102,9 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
     for rows, b in zip(parts, batches, strict=True):
         width = b.max_response_len
         b.set("advantages", advantages_BR[rows, :width])
-        b.set("old_logprobs", (old_BR if algo.off_policy == "decoupled" else layout.engine_logprobs_BR)[rows, :width])
+        proximal_BR = old_BR if algo.off_policy == "decoupled" else layout.engine_logprobs_BR
+        if proximal_BR is not None:  # None: the training forward's own logprobs, detached
+            b.set("old_logprobs", proximal_BR[rows, :width])
         if ref_BR is not None:
             b.set("ref_logprobs", ref_BR[rows, :width])
         if values_BR is not None and returns_BR is not None:
@@ -103,15 +112,11 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
             b.set("returns", returns_BR[rows, :width])
 
     tokens = layout.mask_BR.sum().clamp(min=1)
-    gap_BR = (old_BR - layout.engine_logprobs_BR).abs() * layout.mask_BR
     metrics |= {
         "batch/trajectories": float(len(trajectories)),
         "batch/mini_batches": float(len(batches)),
         "batch/loss_tokens": float(mask_BR.sum()),
         "batch/advantage_mean": float((advantages_BR * mask_BR).sum() / mask_BR.sum().clamp(min=1)),
-        # the engine's logprobs against the learner's for the same weights: numerics, not learning
-        "rollout/logprob_gap/mean_abs": float(gap_BR.sum() / tokens),
-        "rollout/logprob_gap/max_abs": float(gap_BR.max()) if gap_BR.numel() else 0.0,
     }
     if kl_BR is not None:
         metrics["actor/ref_kl"] = float(kl_BR.sum() / tokens)

@@ -32,7 +32,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
     ("loss", "Policy loss", [("actor/pg_loss", "pg loss"), ("actor/loss", "total loss")], "loss"),
     ("kl", "KL to the behaviour policy and engine-vs-learner gap",
      [("actor/approx_kl", "approx KL"), ("actor/engine_kl", "engine KL"), ("actor/kl", "KL to reference"),
-      ("rollout/logprob_gap/mean_abs", "logprob gap, mean |.|")], "nats"),
+      ("actor/logprob_gap", "logprob gap, mean |.|")], "nats"),
     ("entropy", "Entropy", [("actor/entropy", "entropy")], "nats / token"),
     ("clip", "Clipped fraction", [("actor/clip_frac", "clip fraction")], "fraction"),
     ("grad_norm", "Gradient norm", [("actor/grad_norm", "grad norm")], "norm"),

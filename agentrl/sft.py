@@ -155,11 +155,9 @@ def sft(config: SFTConfig) -> RunDir:
             step += 1
             start = time.perf_counter()
             batch = pack(batch_rows, config.learner.token_budget, policy.ctx.world_size)[policy.ctx.rank]
-            mask_BR = response_layout(batch_rows).mask_BR
-            logprobs_BR = policy.compute_logprobs(batch)
-            batch.set("advantages", mask_BR)  # 1 on every model token: the gradient of the NLL
+            batch.set("advantages", response_layout(batch_rows).mask_BR)  # 1 on every model token: the NLL's gradient
             metrics = policy.train_step(batch)
-            metrics["sft/nll"] = float(-(logprobs_BR * mask_BR).sum() / mask_BR.sum().clamp(min=1))
+            metrics["sft/nll"] = metrics["actor/nll"]  # the training forward's, under the weights before the step
             metrics |= {"sft/epoch": float(epoch), "timing/step": time.perf_counter() - start}
             if step == total or (t.save_every and step % t.save_every == 0):
                 tmp = run_dir.begin_checkpoint(step)

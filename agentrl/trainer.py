@@ -132,7 +132,8 @@ class Learner:
         start = time.perf_counter()
         step_batch = build_batch(groups, algo=cfg.algo, token_budget=cfg.learner.token_budget,
                                  mini_batches=t.mini_batches, policy=self.policy, reference=self.reference,
-                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns)
+                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns,
+                                 ppo_epochs=t.ppo_epochs)
         metrics = dict(step_batch.metrics)
         metrics["timing/logprobs"] = time.perf_counter() - start
         start = time.perf_counter()

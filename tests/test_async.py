@@ -205,3 +205,4 @@ def test_the_ratio_is_taken_against_the_proximal_or_the_behaviour_policy(tmp_pat
         assert m["actor/engine_kl"] == 0.0
     else:
         assert m["actor/engine_kl"] > 1.0
+    assert m["actor/logprob_gap"] > 1.0  # the learner's logprobs against the engine's, in either mode

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -166,6 +166,22 @@ def cuda_ipc_handle(flat: Any) -> bytes:
     from torch.multiprocessing.reductions import reduce_tensor
 
     return pickle.dumps(reduce_tensor(flat)[1])
+
+
+async def load_ipc_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None,
+                           load: Callable[[bytes, list], Awaitable[int]], loaded: Callable[[], Awaitable[Any]]) -> int:
+    """HF-named CUDA tensors to an engine on the same GPU, never through the host: each bucket packed into
+    one flat buffer (`flat_buckets`) whose CUDA IPC handle `load(handle, layout)` hands to the receivers; the
+    buffer is dropped once they return, then `loaded()` after the last. Returns how many tensors."""
+    import torch
+
+    total = 0
+    for flat, layout in flat_buckets(named_tensors, bucket_bytes):
+        total += int(await load(cuda_ipc_handle(flat), layout))
+        del flat
+    torch.cuda.ipc_collect()  # the receivers' mappings are gone: free the buffers' memory now
+    await loaded()
+    return total
 
 
 def takes_buckets(engine: object) -> bool:

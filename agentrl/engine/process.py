@@ -146,23 +146,16 @@ class ProcessEngine:
     async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
                                     bucket_bytes: int | None = None) -> int:
         """Load HF-named CUDA tensors of this process into the child's engine on the same GPU by CUDA IPC,
-        never through the host: each bucket is packed into one flat buffer that the child's engine maps
-        (`load_ipc_bucket`, as VLLMEngine's), and the buffer lives until it returns. Returns how many
-        tensors. Refused while any generate() of this engine is in flight, as update_weights is."""
-        import torch
-
-        from agentrl.engine import cuda_ipc_handle, flat_buckets
+        never through the host (`load_ipc_bucket` in the child, as VLLMEngine's own update does). Returns
+        how many tensors. Refused while any generate() of this engine is in flight, as update_weights is."""
+        from agentrl.engine import load_ipc_buckets
 
         refuse_in_flight(self._generating)
         self._updating += 1
         try:
-            total = 0
-            for flat, layout in flat_buckets(named_tensors, bucket_bytes):
-                total += int(await self.call("load_ipc_bucket", cuda_ipc_handle(flat), layout))
-                del flat
-            torch.cuda.ipc_collect()
-            await self.call("weights_loaded")
-            return total
+            return await load_ipc_buckets(named_tensors, bucket_bytes,
+                                          lambda handle, layout: self.call("load_ipc_bucket", handle, layout),
+                                          lambda: self.call("weights_loaded"))
         finally:
             self._updating -= 1
 

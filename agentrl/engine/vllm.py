@@ -159,21 +159,13 @@ class VLLMEngine:
 
     async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
                                     bucket_bytes: int | None = None) -> int:
-        """Load HF-named CUDA tensors on this engine's GPU (a colocated learner's) without a host copy: each
-        bucket is packed into one flat buffer whose CUDA IPC handle the workers map (vllm_worker.py), then
-        the prefix cache is reset. Returns how many tensors. The buffer lives until the workers return."""
-        import torch
-
-        from agentrl.engine import cuda_ipc_handle, flat_buckets
+        """Load HF-named CUDA tensors on this engine's GPU (a colocated learner's) without a host copy: the
+        workers map each flat bucket by its CUDA IPC handle (vllm_worker.py), then the prefix cache is
+        reset. Returns how many tensors."""
+        from agentrl.engine import load_ipc_buckets
 
         refuse_in_flight(self._in_flight)
-        total = 0
-        for flat, layout in flat_buckets(named_tensors, bucket_bytes):
-            total += await self.load_ipc_bucket(cuda_ipc_handle(flat), layout)
-            del flat
-        torch.cuda.ipc_collect()
-        await self.reset_prefix_cache()
-        return total
+        return await load_ipc_buckets(named_tensors, bucket_bytes, self.load_ipc_bucket, self.reset_prefix_cache)
 
     async def load_ipc_bucket(self, handle: bytes, layout: list) -> int:
         """One flat bucket of another process on this GPU (`engine.flat_bucket`, `engine.cuda_ipc_handle`),

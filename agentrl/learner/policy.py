@@ -91,13 +91,19 @@ class PolicyWorker(Worker):
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * masked_sum(entropy_T, weights_T)
         log_ratio_T = (logprobs_T - old_T).detach()
+        # The learner's logprobs before the step against the engine's for the same tokens: numerics for a
+        # fresh sample, numerics and staleness for an older one. (Under the behaviour objective old_T is
+        # the engine's, so the training forward's own stand in.)
+        learner_T = old_T if algo.off_policy == "decoupled" else logprobs_T.detach()
         stats |= {
             "loss": loss,
             "pg_loss": pg_loss,
             "entropy": masked_sum(entropy_T.detach(), token_mean_T),
+            "nll": masked_sum(-logprobs_T.detach(), token_mean_T),  # of the trained tokens, before the step
             "clip_frac": masked_sum(clipped_T, token_mean_T),
             "approx_kl": masked_sum(0.5 * log_ratio_T.square(), token_mean_T),
             "engine_kl": masked_sum(kl_penalty(old_T, mb.engine_logprobs_T, "k3"), token_mean_T),
+            "logprob_gap": masked_sum((learner_T - mb.engine_logprobs_T).abs(), token_mean_T),
         }
         return loss, stats
 

@@ -1,0 +1,104 @@
+"""build_batch (agentrl/batch.py) with a real tiny policy: when the learner's old-logprobs pass runs, and that
+one optimizer step without it (the proximal policy taken from the training forward) updates the weights as
+the step with it does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.algo import AlgoConfig
+from agentrl.batch import build_batch
+from agentrl.learner.config import LearnerConfig, OptimConfig
+from agentrl.learner.packing import response_layout
+from agentrl.learner.policy import PolicyWorker
+from agentrl.learner.reference import ReferenceWorker
+from agentrl.types import Group
+from tests.learner_util import padded_logprobs, tiny_lm, trajectories
+
+
+def _groups(n: int = 8, group_size: int = 2) -> list[Group]:
+    trajs = trajectories(n, seed=5, group_size=group_size)
+    return [Group(trajs[i].prompt, trajs[i:i + group_size]) for i in range(0, n, group_size)]
+
+
+def _policy(algo: AlgoConfig) -> tuple[PolicyWorker, list[int]]:
+    """A tiny policy whose compute_logprobs calls are counted."""
+    config = LearnerConfig(device="cpu", token_budget=400, optim=OptimConfig(lr=1e-2, weight_decay=0.0))
+    worker = PolicyWorker(config, algo, model=tiny_lm(seed=4))
+    calls: list[int] = []
+    inner = worker.compute_logprobs
+
+    def counted(batch):
+        calls.append(1)
+        return inner(batch)
+
+    worker.compute_logprobs = counted
+    return worker, calls
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+@pytest.mark.parametrize("tis_cap", [2.0, None])
+def test_one_optimizer_step_takes_the_proximal_policy_from_its_forward(tis_cap) -> None:
+    algo = AlgoConfig(tis_cap=tis_cap)
+    groups = _groups()
+    trajs = [t for g in groups for t in g.trajectories]
+    layout = response_layout(trajs)
+    fast, fast_calls = _policy(algo)
+    with_pass, pass_calls = _policy(algo)
+    # the proximal logprobs by a plain HF forward: the gap to the engine's (here random) logprobs is known
+    with torch.no_grad():
+        learner_BR, _ = padded_logprobs(tiny_lm(seed=4), trajs)
+    expected_gap = float(((learner_BR - layout.engine_logprobs_BR).abs() * layout.mask_BR).sum() / layout.mask_BR.sum())
+
+    one = build_batch(groups, algo=algo, token_budget=400, mini_batches=1, policy=fast)
+    assert fast_calls == []  # no old-logprobs pass
+    [batch] = one.mini_batches
+    assert all(mb.old_logprobs_T is None for mb in batch.micro_batches)
+    # two epochs need the pass (the second one's weights are not the first one's); train its first step only
+    two = build_batch(groups, algo=algo, token_budget=400, mini_batches=1, policy=with_pass, ppo_epochs=2)
+    assert len(pass_calls) == 1
+    [reference_batch] = two.mini_batches
+
+    m_fast, m_pass = fast.train_step(batch), with_pass.train_step(reference_batch)
+    assert m_fast["actor/logprob_gap"] == pytest.approx(expected_gap, rel=1e-4)
+    expected_nll = float(-(learner_BR * layout.mask_BR).sum() / layout.mask_BR.sum())
+    assert m_fast["actor/nll"] == pytest.approx(expected_nll, rel=1e-4)
+    for key in ("actor/loss", "actor/pg_loss", "actor/logprob_gap", "actor/nll", "actor/engine_kl", "actor/grad_norm",
+                *(["actor/tis_weight"] if tis_cap else [])):
+        assert m_fast[key] == pytest.approx(m_pass[key], rel=1e-4, abs=1e-7), key
+    assert m_fast["actor/clip_frac"] == m_pass["actor/clip_frac"] == 0.0  # ratio 1 on the step's one forward
+    moved = 0.0
+    for (name, a), b, before in zip(fast.lm.named_parameters(), with_pass.lm.parameters(),
+                                    tiny_lm(seed=4).parameters(), strict=True):
+        a, b = _full(a), _full(b)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+        moved = max(moved, float((a - before.detach()).abs().max()))
+    assert moved > 1e-4  # the step did move the weights
+
+
+def test_the_pass_runs_where_the_step_needs_it() -> None:
+    groups = _groups()
+    decoupled, calls = _policy(AlgoConfig())
+    build_batch(groups, algo=AlgoConfig(), token_budget=400, mini_batches=2, policy=decoupled)
+    assert len(calls) == 2  # one per mini-batch: the second one trains on moved weights
+
+    behaviour_algo = AlgoConfig(off_policy="behaviour")
+    behaviour, calls = _policy(behaviour_algo)
+    step = build_batch(groups, algo=behaviour_algo, token_budget=400, mini_batches=2, policy=behaviour, ppo_epochs=2)
+    assert calls == []  # the ratio's denominator is the engine's
+    engine_BR = response_layout([t for g in groups for t in g.trajectories]).engine_logprobs_BR
+    for rows, batch in zip([[0, 1, 2, 3], [4, 5, 6, 7]], step.mini_batches, strict=True):
+        expected = engine_BR[rows, : batch.max_response_len]
+        assert torch.equal(batch.gather([mb.old_logprobs_T for mb in batch.micro_batches]), expected)
+
+    kl_algo = AlgoConfig(advantage="reinforce_pp", kl={"coef": 0.1, "use": "reward"})
+    with_reference, calls = _policy(kl_algo)
+    reference = ReferenceWorker(LearnerConfig(device="cpu", token_budget=400), model=tiny_lm(seed=4))
+    step = build_batch(groups, algo=kl_algo, token_budget=400, mini_batches=1, policy=with_reference,
+                       reference=reference)
+    assert len(calls) == 1  # the reward's KL is old policy against the reference, before the step
+    assert step.metrics["actor/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the same weights
