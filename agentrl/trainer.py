@@ -303,8 +303,11 @@ class Trainer:
         return metrics | await self._after_step(groups, start)
 
     async def _push(self) -> dict[str, float]:
-        """The learner's weights (its version: the steps done) into the engine, once no request is in flight."""
-        return await self.rollout_engine.update(lambda: self.learner.push([self.engine]), version=self.step)
+        """The learner's weights (its version: the steps done) into the engine, once no request is in flight
+        (async: the wait for the requests in flight to reach their chunk's end is timing/update_wait)."""
+        metrics = await self.rollout_engine.update(lambda: self.learner.push([self.engine]), version=self.step)
+        drain = self.rollout_engine.last_drain
+        return metrics | {"timing/update_wait": drain["wait_s"], "async/drained_requests": float(drain["requests"])}
 
     async def _after_step(self, groups: list[Group], start: float) -> dict[str, float]:
         """Samples, checkpoint and validation where due, and the step's time since `start`."""

@@ -11,7 +11,8 @@ one after another, the config otherwise the same:
   default it is in a child process of its own; weights go by CUDA IPC either way).
 Over steps 2+ (step 1 holds vLLM's CUDA-graph warm-up and, in async, the pipeline filling) it prints the
 training tokens/s (tokens trained on per second of step time, checkpoints left out) and its ratio to
-`sync`, the mean step's parts (rollout: generation in sync, the learner's wait for groups in async), and
+`sync`, the mean step's parts (rollout: generation in sync, the learner's wait for groups in async; drain:
+the weight update's wait for the engine requests in flight to reach their chunk's end), and
 the GPU's busy fraction: NVML's utilization (the share of time a kernel was running) sampled every 0.2 s
 over those steps.
 
@@ -69,11 +70,11 @@ def main() -> None:
     print(f"\nsteps 2-{args.steps}, {args.prompts} prompts x {args.n} samples, {args.response_tokens} response tokens, "
           f"{args.shape}")
     print(f"{'setting':>12} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
-          f"{'train':>6} {'sync':>6} {'sleep+wake':>10} {'staleness':>9} {'dropped':>7} {'partial':>7}")
+          f"{'train':>6} {'sync':>6} {'drain':>6} {'sleep+wake':>10} {'staleness':>9} {'dropped':>7} {'partial':>7}")
     for r in rows:
         print(f"{r['setting']:>12} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
               f"{r['step_s']:>7.2f} {r['rollout_s']:>7.2f} {r['logprobs_s']:>8.2f} {r['train_s']:>6.2f} "
-              f"{r['sync_s']:>6.2f} {r['sleep_wake_s']:>10.2f} {r['staleness']:>9.2f} {r['dropped']:>7.0f} "
+              f"{r['sync_s']:>6.2f} {r['update_wait_s']:>6.2f} {r['sleep_wake_s']:>10.2f} {r['staleness']:>9.2f} {r['dropped']:>7.0f} "
               f"{100 * r['partial']:>6.1f}%")
 
 
@@ -155,7 +156,7 @@ def _child(args: argparse.Namespace) -> None:
 
     row = {"setting": args.one, "tokens_per_s": sum(m["perf/actor_tokens"] for m in later) / sum(step_s),
            "gpu_busy": busy.mean(*window), "step_s": sum(step_s) / len(step_s), "rollout_s": mean("timing/rollout"),
-           "logprobs_s": mean("timing/logprobs"), "train_s": mean("timing/train"), "sync_s": mean("timing/weight_sync"),
+           "logprobs_s": mean("timing/logprobs"), "train_s": mean("timing/train"), "sync_s": mean("timing/weight_sync"), "update_wait_s": mean("timing/update_wait"),
            "sleep_wake_s": mean("timing/sleep") + mean("timing/wake"), "staleness": mean("async/staleness_mean"),
            "dropped": sum(m.get("async/dropped_stale", 0.0) for m in later),
            "partial": mean("async/partial_trajectories"), "steps": metrics}

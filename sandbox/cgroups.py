@@ -8,8 +8,9 @@ its `memory` limit is the run's memory budget, counting real memory of all of th
 its /tmp files, not address space. A worker runs one program at a time, so one `run` group per worker is
 a per-run cgroup without a per-run cost.
 
-Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>/{zygote,run}
-(the zygote's processes live in `zygote`: cgroup v2 allows processes only in leaves).
+Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>.<n>/{zygote,run}
+(the zygote's processes live in `zygote`: cgroup v2 allows processes only in leaves; n counts the zygotes
+the server started, so a replacement never shares the group of the one it replaces).
 Where no usable hierarchy is writable (unprivileged server without delegation), `CgroupSet.create`
 returns None with the reason and the sandbox relies on rlimits alone (README, "Isolation").
 """

@@ -150,7 +150,7 @@ class WorkerPool:
 
     def status(self) -> dict[str, Any]:
         alive = sum(w.alive for w in self.workers)
-        oom = sum(self.cgroups.oom_kills(w.name) for w in self.workers) if self.cgroups else 0
+        oom = sum(self.cgroups.oom_kills(w.cgroup) for w in self.workers) if self.cgroups else 0
         idle = sum(w.alive for w in self.idle._queue)  # type: ignore[attr-defined]  # dead ones wait there too
         return {"workers": len(self.workers), "alive": alive, "idle": idle,
                 "queued": self.waiting, "queue_wait_s": self.queue_wait(), "oom_kills": oom}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import itertools
 import logging
 import os
 import signal
@@ -40,6 +41,7 @@ ZYGOTE_ENV = run_environment(sys.prefix)
 BOOT = "from sandbox.zygote import main; main()"
 STARTUP_TIMEOUT_S = 180.0
 ZYGOTE_OVERHEAD_MB = 384  # the zygote's own resident memory, counted in its cgroup next to the run's
+_incarnations = itertools.count(1)
 
 
 class Zygote:
@@ -47,6 +49,9 @@ class Zygote:
                  uid_base: int, sessions: bool = False, cgroup_memory_mb: int | None = None,
                  cgroup_pids: int | None = None) -> None:
         self.name = name
+        # Each zygote its own cgroup: a replacement has the name of the one it replaces, and removing the
+        # dead one's group (which may happen again after the replacement started) must not touch its own.
+        self.cgroup = f"{name}.{next(_incarnations)}"
         self.uid_base = uid_base  # host uid behind uid 0 of the zygote's user namespace
         self.cgroup_memory_mb = cgroup_memory_mb or settings.max_memory_mb
         self.cgroup_pids = (cgroup_pids or settings.max_processes) + 16
@@ -89,10 +94,10 @@ class Zygote:
         if self.cgroups is not None:
             memory = (self.cgroup_memory_mb + ZYGOTE_OVERHEAD_MB) * MB
             run_memory = None if self.sessions else self.settings.default_memory_mb * MB
-            self.cgroups.make(self.name, memory, self.cgroup_pids, run_memory)
-            self.cgroups.attach(self.name, self.proc.pid)
+            self.cgroups.make(self.cgroup, memory, self.cgroup_pids, run_memory)
+            self.cgroups.attach(self.cgroup, self.proc.pid)
             if run_memory is not None:
-                run_procs.append(self.cgroups.open_run_procs(self.name))
+                run_procs.append(self.cgroups.open_run_procs(self.cgroup))
                 self._memory_limit = self.settings.default_memory_mb
         if not self.map_self:
             for name in ("uid_map", "gid_map"):  # a range: every uid inside is an unused uid outside
@@ -226,7 +231,7 @@ class Zygote:
             return
         assert self.cgroups is not None
         try:
-            self.cgroups.set_run_memory(self.name, memory_mb * MB)
+            self.cgroups.set_run_memory(self.cgroup, memory_mb * MB)
             self._memory_limit = memory_mb
         except OSError as e:  # EBUSY: usage above the new cap (still being freed); the worker's cap holds
             log.info("cgroup memory limit of %s not lowered to %d MB: %s", self.name, memory_mb, e)
@@ -245,7 +250,7 @@ class Zygote:
             if self.zygote_pid is not None:  # reparented to us (a subreaper): reap it, no zombie left
                 await loop.run_in_executor(None, _reap, self.zygote_pid)
         if self.cgroups is not None:
-            self.cgroups.remove(self.name)
+            self.cgroups.remove(self.cgroup)
 
 
 def _children(pid: int) -> list[int]:

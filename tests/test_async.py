@@ -68,7 +68,7 @@ def test_a_weight_update_mid_generation_waits_for_a_token_boundary_and_keeps_wha
     assert c.versions == [(4, 0), (8, 7)]  # 4 tokens by the old weights, the rest by the new
     assert c.token_ids == [5 + (3 + i) % 50 for i in range(12)]  # continued from the kept ids
     assert c.logprobs == [-1.0] * 4 + [-2.0] * 8 and c.finish_reason == "length"
-    assert engine.stats["paused_requests"] == 1
+    assert engine.stats["paused_requests"] == 1 and engine.last_drain["requests"] == 1
 
 
 def test_an_engine_out_of_context_ends_the_completion_instead_of_being_asked_again():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import signal
 import time
 import uuid
@@ -180,4 +181,4 @@ def test_a_prepared_program_killed_while_waiting_is_replaced(server):
     body = run(server, "print(open('/proc/self/cgroup').read())")
     assert body["status"] == "Success", body
     if server.cgroup_memory:
-        assert "/worker0/run\n" in body["run_result"]["stdout"], body["run_result"]["stdout"]
+        assert re.search(r"/worker0\.\d+/run$", body["run_result"]["stdout"], re.M), body["run_result"]["stdout"]

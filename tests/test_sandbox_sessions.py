@@ -177,9 +177,21 @@ def test_client_disconnect_kills_the_run(server):
         time.sleep(0.1)  # polling the server's own state: it closes connections asynchronously
 
 
+def _run_cgroup(server: ServerProcess) -> str | None:
+    """The cgroup a run's program is in, as the run reads it (None where runs have no cgroup of their own)."""
+    if not server.cgroup_memory:
+        return None
+    body = call(server, "POST", "/run_code", json={"code": "print(open('/proc/self/cgroup').read())",
+                                                     "language": "python"}).json()
+    return next(line.split(":", 2)[2] for line in body["run_result"]["stdout"].splitlines() if line.endswith("/run"))
+
+
 def test_a_dead_worker_is_replaced(server):
     """Kill every worker's launcher (the run worker's and the sessions' zygote's): each takes its zygote
-    and prepared children along; both are replaced and the dead launchers reaped."""
+    and prepared children along; both are replaced and the dead launchers reaped. The replacement has a
+    cgroup of its own: removing the dead one's (which may happen again once the replacement runs) leaves
+    the replacement's in place."""
+    before = _run_cgroup(server)
     launchers = [pid for pid in descendants(server.proc.pid) if _is_root_child_of(pid, server.proc.pid)]
     assert len(launchers) == 2  # one run worker (--workers 1) and the sessions' zygote
     for pid in launchers:
@@ -195,6 +207,8 @@ def test_a_dead_worker_is_replaced(server):
         time.sleep(0.1)  # polling the service's own state
     body = call(server, "POST", "/run_code", json={"code": "print(1+1)", "language": "python"}).json()
     assert body["run_result"]["stdout"] == "2\n"
+    after = _run_cgroup(server)
+    assert before is None or (after != before and after.startswith(before.rsplit("/", 2)[0])), (before, after)
     sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
     assert session_run(server, sid, "x = 6 * 7\nprint(x)")["run_result"]["stdout"] == "42\n"
     call(server, "DELETE", f"/sessions/{sid}")

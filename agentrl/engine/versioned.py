@@ -18,6 +18,7 @@ the completion ends at the token that completes it, as it would have within one 
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from typing import Any
 
@@ -35,6 +36,8 @@ class VersionedEngine:
         self._updating = False
         self._changed = asyncio.Condition()
         self.stats = {"paused_requests": 0}
+        # The latest update's drain: how many requests it found in flight and how long it waited for them.
+        self.last_drain = {"requests": 0, "wait_s": 0.0}
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         ids: list[int] = []
@@ -93,12 +96,16 @@ class VersionedEngine:
 
     async def update(self, push: Any, version: int | None = None) -> Any:
         """Run `push()` (an async weight update of the engine) once no request is in flight, holding new ones
-        until it is done; then the engine holds `version` (default: one more). Returns what `push` returned."""
+        until it is done; then the engine holds `version` (default: one more). Returns what `push` returned.
+        `last_drain` says how many requests it waited for, and for how long."""
+        start = time.perf_counter()
         async with self._changed:
             if self._updating:
                 raise RuntimeError("update() while another update runs: one update at a time")
             self._updating = True
+            drained = self._in_flight
             await self._changed.wait_for(lambda: self._in_flight == 0)
+        self.last_drain = {"requests": drained, "wait_s": time.perf_counter() - start}
         try:
             return await push()
         finally:
