@@ -307,7 +307,10 @@ class Trainer:
         (async: the wait for the requests in flight to reach their chunk's end is timing/update_wait)."""
         metrics = await self.rollout_engine.update(lambda: self.learner.push([self.engine]), version=self.step)
         drain = self.rollout_engine.last_drain
-        return metrics | {"timing/update_wait": drain["wait_s"], "async/drained_requests": float(drain["requests"])}
+        metrics = metrics | {"timing/update_wait": drain["wait_s"]}
+        if self.config.trainer.mode == "async":
+            metrics["async/drained_requests"] = float(drain["requests"])
+        return metrics
 
     async def _after_step(self, groups: list[Group], start: float) -> dict[str, float]:
         """Samples, checkpoint and validation where due, and the step's time since `start`."""

@@ -151,6 +151,7 @@ def test_max_staleness_0_trains_on_the_synchronous_trainers_batches(tmp_path):
     assert batches(asynchronous) == batches(sync)
     m = read_jsonl(asynchronous / "metrics.jsonl")
     assert [x["async/staleness_max"] for x in m] == [0.0, 0.0, 0.0] and all(x["async/dropped_stale"] == 0 for x in m)
+    assert [x["async/drained_requests"] for x in m] == [0.0, 0.0, 0.0]  # s = 0: nothing in flight at an update
     assert [x["reward/mean"] for x in m] == [x["reward/mean"] for x in read_jsonl(sync / "metrics.jsonl")]
 
 
