@@ -156,7 +156,8 @@ def _child(args: argparse.Namespace) -> None:
 
     row = {"setting": args.one, "tokens_per_s": sum(m["perf/actor_tokens"] for m in later) / sum(step_s),
            "gpu_busy": busy.mean(*window), "step_s": sum(step_s) / len(step_s), "rollout_s": mean("timing/rollout"),
-           "logprobs_s": mean("timing/logprobs"), "train_s": mean("timing/train"), "sync_s": mean("timing/weight_sync"), "update_wait_s": mean("timing/update_wait"),
+           "logprobs_s": mean("timing/logprobs"), "train_s": mean("timing/train"), "sync_s": mean("timing/weight_sync"),
+           "update_wait_s": mean("timing/update_wait"),
            "sleep_wake_s": mean("timing/sleep") + mean("timing/wake"), "staleness": mean("async/staleness_mean"),
            "dropped": sum(m.get("async/dropped_stale", 0.0) for m in later),
            "partial": mean("async/partial_trajectories"), "steps": metrics}

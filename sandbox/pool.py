@@ -116,7 +116,9 @@ class WorkerPool:
             self._replace(worker)
 
     def _replace(self, dead: Zygote) -> None:
-        if dead in self._replacing:
+        # Once per dead worker: a worker that died is also found dead in the idle queue, maybe after its
+        # replacement took its place.
+        if dead in self._replacing or dead not in self.workers:
             return
         self._replacing.add(dead)
         task = asyncio.create_task(self._respawn(dead))
@@ -125,9 +127,6 @@ class WorkerPool:
 
     async def _respawn(self, dead: Zygote) -> None:
         await dead.stop()
-        if dead not in self.workers:  # replaced already (it died, then was also found dead in the queue)
-            self._replacing.discard(dead)
-            return
         index = self.workers.index(dead)
         delay = 0.5
         while True:
