@@ -198,10 +198,12 @@ class RunConfig(StrictModel):
                                  f"budget, task.budgets.max_response_tokens ({budget})")
         if self.model.path is not None:
             _agree(self.learner, "model", self.model.path, "learner.model", "model.path")
-        if self.trainer.steps is not None and self.learner.optim.schedule == "cosine":
-            _agree(self.learner.optim, "total_steps", self.trainer.steps, "learner.optim.total_steps", "trainer.steps")
         if self.algo.needs_critic and self.critic is None:
             self.critic = self.learner.model_copy(deep=True)
+        for role, learner in (("learner", self.learner), ("critic", self.critic)):
+            # the schedules count trainer steps (learner/optim.py): a cosine ends at the run's last step
+            if learner is not None and self.trainer.steps is not None and learner.optim.schedule == "cosine":
+                _agree(learner.optim, "total_steps", self.trainer.steps, f"{role}.optim.total_steps", "trainer.steps")
         if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
             raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
         p = self.placement

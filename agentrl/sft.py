@@ -138,6 +138,7 @@ def sft(config: SFTConfig) -> RunDir:
     t = config.trainer
     steps_per_epoch = math.ceil(len(data) / t.batch_size)
     total = t.epochs * steps_per_epoch
+    config.learner.optim = config.learner.optim.for_run(total)  # a cosine without its end ends at the last step
     run_dir = RunDir(config.run_dir)
     run_dir.create()
     policy = PolicyWorker(config.learner, AlgoConfig(loss_agg="token_mean", tis_cap=None), model=build_lm(config))
@@ -157,6 +158,7 @@ def sft(config: SFTConfig) -> RunDir:
             batch = pack(batch_rows, config.learner.token_budget, policy.ctx.world_size)[policy.ctx.rank]
             batch.set("advantages", response_layout(batch_rows).mask_BR)  # 1 on every model token: the NLL's gradient
             metrics = policy.train_step(batch)
+            policy.end_step()
             metrics["sft/nll"] = metrics["actor/nll"]  # the training forward's, under the weights before the step
             metrics |= {"sft/epoch": float(epoch), "timing/step": time.perf_counter() - start}
             if step == total or (t.save_every and step % t.save_every == 0):

@@ -147,6 +147,9 @@ class Learner:
                 for k, v in out.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
+        for worker in (self.policy, self.critic):  # the schedules count trainer steps
+            if worker is not None:
+                worker.end_step()
         metrics |= {k: v / steps for k, v in sums.items()}
         metrics["timing/train"] = time.perf_counter() - start
         return metrics
@@ -188,6 +191,9 @@ class Trainer:
             raise ValueError("task: the dataset gives no training prompts (after budgets.max_prompt_tokens)")
         t = config.trainer
         self.total_steps = t.steps or math.ceil(t.epochs * len(self.train_prompts) / t.prompts_per_step)
+        config.learner.optim = config.learner.optim.for_run(self.total_steps)  # a cosine ends at the last step
+        if config.critic is not None:
+            config.critic.optim = config.critic.optim.for_run(self.total_steps)
         self.sampler = PromptSampler(self.train_prompts, t.seed)
 
         self.placement = None

@@ -176,6 +176,7 @@ def test_checkpoint_resume_in_one_process(tmp_path: Path) -> None:
 
     worker = PolicyWorker(cfg, algo, model=tiny_lm(seed=5))
     worker.train_step(batch_for(0))
+    worker.end_step()
     worker.save(str(tmp_path / "ckpt"), extra={"data_position": 1})
     assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"model_optim", "learner.pt", "rng_rank0.pt", "COMPLETE"}
     assert (tmp_path / "ckpt" / "model_optim" / ".metadata").exists() and not (tmp_path / "ckpt.tmp").exists()
@@ -295,3 +296,35 @@ def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None
     [batch] = pack(trajs, config.token_budget)
     batch.set("advantages", torch.randn(len(trajs), 1) * response_layout(trajs).mask_BR)
     assert_fused_accumulation_is_fsdps(fused, plain, FusedGradAccumulation(fused.module, compiled=compiled), batch)
+
+
+def test_the_schedule_counts_trainer_steps_whatever_the_mini_batches(monkeypatch) -> None:
+    """Cosine over 8 trainer steps of 4 mini-batches each (4 optimizer steps a step), 2 of warmup: every
+    step's actor/lr and critic/lr is the formula's at that step, above zero until the last."""
+    from agentrl.run import load_run_config
+    from agentrl.trainer import Learner
+    from agentrl.types import Group
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    lr, warmup, steps, floor = 1e-3, 2, 8, 0.1
+    config = load_run_config(REPO / "configs" / "debug_cpu.yaml", [
+        f"trainer.steps={steps}", "trainer.mini_batches=4", "algo.advantage=gae", f"learner.optim.lr={lr}",
+        f"learner.optim.warmup_steps={warmup}", "learner.optim.schedule=cosine", f"learner.optim.min_lr_ratio={floor}"])
+    assert config.learner.optim.total_steps == config.critic.optim.total_steps == steps
+    learner = Learner(config, tiny_lm(seed=2))
+    trajs = trajectories(8, seed=3)
+    groups = [Group(trajs[i].prompt, trajs[i:i + 2]) for i in range(0, 8, 2)]
+
+    def expected(step: int) -> float:  # 1-based trainer step
+        if step <= warmup:
+            return lr * step / warmup
+        progress = (step - 1 - warmup) / (steps - warmup)
+        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    for step in range(1, steps + 1):
+        metrics = learner.learn(groups)
+        assert metrics["batch/mini_batches"] == 4.0
+        assert metrics["actor/lr"] == pytest.approx(expected(step), rel=1e-9), step
+        assert metrics["critic/lr"] == pytest.approx(expected(step), rel=1e-9), step
+        assert metrics["actor/lr"] > lr * floor if step < steps else True

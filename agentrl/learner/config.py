@@ -9,28 +9,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from agentrl.config import StrictModel
 
 
 class OptimConfig(StrictModel):
-    """AdamW with linear warmup and a constant or cosine schedule; gradient-norm clipping."""
+    """AdamW with linear warmup and a constant or cosine schedule; gradient-norm clipping. The schedule's
+    steps are trainer steps (one learner update over all of a step's mini-batches and PPO epochs; an SFT
+    step), not optimizer steps."""
 
     lr: float = Field(1e-6, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="trainer steps of linear warmup")
     schedule: Literal["constant", "cosine"] = "constant"
-    total_steps: int | None = Field(None, ge=1, description="cosine: the step the schedule ends at")
+    total_steps: int | None = Field(None, ge=1, description="cosine: the trainer step the schedule ends at; "
+                                    "unset: the run's last step (trainer.steps, or what its epochs come to)")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: the final lr as a fraction of lr")
     grad_clip: float | None = Field(1.0, gt=0.0, description="max global grad norm; unset: no clipping")
 
-    @model_validator(mode="after")
-    def _cosine_needs_end(self) -> OptimConfig:
+    def for_run(self, steps: int) -> OptimConfig:
+        """This schedule in a run of `steps` trainer steps: a cosine without its own end ends there."""
         if self.schedule == "cosine" and self.total_steps is None:
-            raise ValueError("optim.schedule=cosine needs optim.total_steps")
+            return self.model_copy(update={"total_steps": steps})
         return self
 
 

@@ -3,7 +3,8 @@
 A role (policy.py, critic.py, reference.py) builds its module around an HF model and hands it here; this
 class shards it (fsdp.py), owns the optimizer and schedule (optim.py), runs micro-batches from packing.py
 forward (`_infer`) or forward and backward with gradient accumulation (`_train`), takes the optimizer step
-behind a grad-norm clip and a NaN/inf guard, and exposes the full state for weight sync and checkpoints
+behind a grad-norm clip and a NaN/inf guard, moves the learning-rate schedule once per trainer step
+(`end_step`), and exposes the full state for weight sync and checkpoints
 (checkpoint.py). Every method that touches weights is collective: all ranks call it, in the same order,
 with their own `Batch` of the same packing.
 """
@@ -134,6 +135,8 @@ class Worker:
         self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
         self.steps = 0  # optimizer steps taken
+        # The schedule counts trainer steps (`end_step`), not optimizer steps: warmup and cosine lengths are
+        # then the run's steps whatever its mini-batches and PPO epochs, as veRL's recipes count them.
         self.skipped_steps = 0  # steps the NaN/inf guard refused
 
     @staticmethod
@@ -189,7 +192,7 @@ class Worker:
                 loss.backward()
             for k, v in stats.items():
                 sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule moves after it)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         with record_function("agentrl.optimizer"):
             grad_norm, skipped = self._optimizer_step(empty=batch.num_loss_tokens == 0)
         metrics = self._all_reduce(sums | {"tokens": torch.tensor(float(batch.num_tokens), device=self.ctx.device)})
@@ -208,8 +211,8 @@ class Worker:
         AdamW kernel reads the verdict from the device (`found_inf`, as under a grad scaler), so the step is
         queued before the host waits for the norm: the GPU does not idle while the host decides.
         An `empty` batch (no loss tokens: e.g. every row overlong-filtered) is skipped the same way, or
-        weight decay, the moments and the schedule would move on a batch that taught nothing."""
-        assert self.optimizer is not None and self.scheduler is not None
+        weight decay and the moments would move on a batch that taught nothing."""
+        assert self.optimizer is not None
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
@@ -224,9 +227,16 @@ class Worker:
         self.skipped_steps += diverged
         skipped = empty or diverged
         if not skipped:
-            self.scheduler.step()
             self.steps += 1
         return norm_value, skipped
+
+    def end_step(self) -> None:
+        """One trainer step is done (one update over all its mini-batches and PPO epochs): the learning rate
+        moves to the next step's. It moves on a step whose optimizer steps were all skipped too, so step N
+        trains at the schedule's rate for N whatever happened before. Collective like the step itself."""
+        if self.scheduler is None:
+            raise RuntimeError(f"{type(self).__name__} is frozen: it has no schedule")
+        self.scheduler.step()
 
     def _all_reduce(self, values: dict[str, Tensor]) -> dict[str, float]:
         if not values:
