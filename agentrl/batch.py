@@ -3,14 +3,16 @@
 1. Flatten the groups (algo/sampling.py): trajectories, rewards, group ids.
 2. Shape and filter: DAPO's overlong penalty on the rewards; rows dropped from the loss (a 0 row scale,
    never a rebuilt mask): truncated trajectories (overlong filtering) and, as SimpleTIR does, those with a
-   void turn (a turn with neither a tool call nor a final answer).
+   void turn (a model turn whose own text holds neither a tool call nor a final answer, a turn cut by a
+   length limit included; the rollout counts them).
 3. Split the groups into the step's mini-batches and pack each once (learner/packing.py).
 4. The learner's logprobs before the step (old: the proximal policy of the decoupled objective), the
    reference's, the critic's values, mini-batch by mini-batch, assembled in the response layout [B, R].
    The old-logprobs pass runs only where the step's one forward cannot stand in for it: with one
    optimizer step (one PPO epoch of one mini-batch) the weights before the step are the weights of the
    training forward, so the policy takes them from there, detached (learner/policy.py), and the pass's
-   forward over the whole batch is saved. A reference in the reward (kl.use=reward) still needs them here.
+   forward over the whole batch is saved. A reference in the reward (kl.use=reward) still needs them here;
+   one in the loss does not (its KL is taken on the training forward's logprobs).
 5. Advantages over the whole step (algo/advantage.py), then `Batch.set` on every mini-batch.
 
 The trainer calls `build_batch` once per step and hands the mini-batches to the learner.
@@ -31,7 +33,7 @@ from agentrl.algo.advantage import compute_advantages
 from agentrl.algo.loss import kl_penalty
 from agentrl.algo.sampling import flatten_groups, keep_untruncated, overlong_penalty
 from agentrl.learner.packing import Batch, pack, response_layout
-from agentrl.types import Group, StopReason, Trajectory
+from agentrl.types import Group, Trajectory
 
 
 @dataclass
@@ -42,10 +44,12 @@ class StepBatch:
 
 
 def has_void_turn(t: Trajectory) -> bool:
-    """A turn that neither called a tool nor answered: an invalid action (a malformed call, an output
-    block without code), or a trajectory that ended on its own without a final answer."""
-    answered = t.reward is not None and t.reward.parts.get("has_answer", 1.0) > 0
-    return t.timings.get("invalid_turns", 0.0) > 0 or (t.stop_reason == StopReason.EOS and not answered)
+    """Whether a model turn of `t` was void: judged turn by turn, on that turn's text, as the rollout went
+    (rollout.py, `ToolFormat.is_void`), so an answer in another turn does not excuse it."""
+    if "void_turns" not in t.timings:
+        raise ValueError(f"trajectory {t.prompt.id}/{t.sample} has no timings['void_turns']: drop_void_turns reads "
+                         "the count of void turns that rollout.py records; expected a trajectory from the rollout")
+    return t.timings["void_turns"] > 0
 
 
 def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
@@ -93,10 +97,12 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
     mask_BR = layout.mask_BR * scale_B[:, None]
     ref_BR = assemble(reference.compute_logprobs) if reference is not None else None
     one_step = ppo_epochs == 1 and len(batches) == 1
-    needs_old = (algo.off_policy == "decoupled" and not one_step) or ref_BR is not None
+    # a reference in the loss needs no old logprobs (its KL is the training forward's against it)
+    kl_in_reward = ref_BR is not None and algo.kl.use == "reward"
+    needs_old = (algo.off_policy == "decoupled" and not one_step) or kl_in_reward
     old_BR = assemble(policy.compute_logprobs) if needs_old else None
     values_BR = assemble(critic.compute_values) if critic is not None else None
-    kl_BR = kl_penalty(old_BR, ref_BR, algo.kl.estimator) * layout.mask_BR if ref_BR is not None else None
+    kl_BR = kl_penalty(old_BR, ref_BR, algo.kl.estimator) * layout.mask_BR if kl_in_reward else None
     advantages_BR, returns_BR = compute_advantages(algo, rewards_B, group_ids_B, mask_BR, values_BR, kl_BR)
 
     for rows, b in zip(parts, batches, strict=True):

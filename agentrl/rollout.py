@@ -5,7 +5,9 @@ budget left, takes the engine's `Completion` (kept as a model segment, ids and l
 sampled), decodes those ids (never the engine's text) and lets the task's tool format (tools/formats.py)
 decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Tool results
 (tools/) are rendered, tokenized on their own and appended as a masked tool segment. A failed tool is an
-observation, never an exception.
+observation, never an exception. Every model turn, however it ended, is also judged void or not by the
+format (SimpleTIR's void turn, `ToolFormat.is_void`); the trajectory carries the count in `timings`, which
+`algo.drop_void_turns` reads (batch.py).
 
 Two drivers run builders: `mode="async"` gives each trajectory its own asyncio task, so one trajectory's
 tool call overlaps the others' generation; `mode="turn_sync"` runs every trajectory's turn k together,
@@ -58,6 +60,7 @@ class TrajectoryBuilder:
         self.turn = 0
         self.tool_calls = 0
         self.invalid_turns = 0
+        self.void_turns = 0
         self.timings = {"generate_s": 0.0, "tool_s": 0.0}
         self._seed = seed
         self._turn_limit = StopReason.RESPONSE_BUDGET
@@ -101,6 +104,8 @@ class TrajectoryBuilder:
             start += count
         self.ids.extend(c.token_ids)
         text = self._turn_text = self.tokenizer.decode(c.token_ids)  # what the model wrote: render reads its end
+        # Judged before any cut or stop: a turn cut by a length limit is void too when it holds neither.
+        self.void_turns += self.fmt.is_void(text)
         stop = completed_stop(self.tokenizer, c.token_ids, self.fmt.stop)
         if stop is not None:  # parse up to the stop string; the last token may run past it
             text = text[: text.rfind(stop) + len(stop)]
@@ -159,7 +164,8 @@ class TrajectoryBuilder:
 
     def finish(self) -> Trajectory:
         assert self.stop is not None, "finish() before the trajectory stopped"
-        timings = dict(self.timings, turns=float(self.turn), invalid_turns=float(self.invalid_turns))
+        timings = dict(self.timings, turns=float(self.turn), invalid_turns=float(self.invalid_turns),
+                       void_turns=float(self.void_turns))
         return Trajectory(self.prompt, self.segments, self.stop, self.sample, self.records, timings=timings)
 
 
@@ -273,6 +279,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/response_length/max": float(max(lengths, default=0)),
         "rollout/turns/mean": sum(t.num_turns for t in trajectories) / n,
         "rollout/invalid_turns/mean": sum(t.timings.get("invalid_turns", 0.0) for t in trajectories) / n,
+        "rollout/void_turns/mean": sum(t.timings.get("void_turns", 0.0) for t in trajectories) / n,
         "tool/calls_per_trajectory": len(records) / n,
         "tool/error_rate": sum(not r.result.ok for r in records) / max(1, len(records)),
         "tool/latency_ms/p50": _percentile(latencies, 0.5),

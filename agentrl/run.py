@@ -196,6 +196,12 @@ class RunConfig(StrictModel):
             if overlong.buffer_tokens > budget:
                 raise ValueError(f"algo.overlong.buffer_tokens ({overlong.buffer_tokens}) exceeds the response "
                                  f"budget, task.budgets.max_response_tokens ({budget})")
+        if self.algo.loss_agg == "seq_mean_token_sum_norm" and self.algo.loss_norm_tokens is None:
+            object.__setattr__(self.algo, "loss_norm_tokens", budget)  # Dr.GRPO's constant: the response budget
+        if self.algo.group_relative and self.rollout.n < 2:
+            raise ValueError(f"algo.advantage={self.algo.advantage} compares each sample with the others of its "
+                             f"prompt's group, so rollout.n must be at least 2 (it is {self.rollout.n}); with one "
+                             "sample per prompt use reinforce_pp or gae")
         if self.model.path is not None:
             _agree(self.learner, "model", self.model.path, "learner.model", "model.path")
         if self.algo.needs_critic and self.critic is None:

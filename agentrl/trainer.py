@@ -364,7 +364,11 @@ class Trainer:
         if algo.dynamic_sampling.enabled:
             metrics |= sampler.stats()
             metrics["rollout/groups_kept"] = float(len(kept))
-        return kept or every, metrics
+            # no informative group in max_rounds: a step of the usual size (the first round's groups), whose
+            # group advantages are all zero, so only the KL and entropy terms move the policy
+            metrics["rollout/dynamic_sampling_fallback"] = float(not kept)
+            kept = kept or every[: t.prompts_per_step]
+        return kept, metrics
 
     # -- asynchronous training ----------------------------------------------------------------------
 
@@ -442,11 +446,13 @@ class Trainer:
             self.on_step_start(self.step)
         learner_version = self.rollout_engine.version  # the steps pushed so far
         kept: list[tuple[int, int, Prompt, Group]] = []
+        scored: list[tuple[int, int, Prompt, Group]] = []  # every group taken from the queue, dropped ones too
         stale = uninformative = 0
         while len(kept) < t.prompts_per_step:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
+            scored.append(item)
             versions = [v for tr in item[3].trajectories for v in tr.versions]
             if learner_version - min(versions, default=learner_version) > t.max_staleness:
                 stale += 1
@@ -459,7 +465,10 @@ class Trainer:
         kept.sort(key=lambda item: item[0])  # draw order, as the synchronous trainer batches them
         metrics["timing/rollout"] = time.perf_counter() - start  # the learner's wait for groups
         groups = [g for *_, g in kept]
-        self._log_prompt_stats([(epoch, prompt) for _, epoch, prompt, _ in kept], groups)
+        # every scored group, stale and uninformative ones too, as the synchronous trainer records every
+        # group it draws: LIMR's scores (lim.py) need each prompt's accuracy in each epoch, not a filtered set
+        scored.sort(key=lambda item: item[0])
+        self._log_prompt_stats([(epoch, prompt) for _, epoch, prompt, _ in scored], [g for *_, g in scored])
         trajectories = [tr for g in groups for tr in g.trajectories]
         metrics |= rollout_metrics(trajectories)
         lags = [learner_version - v for tr in trajectories for v in tr.versions]

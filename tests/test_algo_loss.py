@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
+from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import (
+    behaviour_weights,
     aggregate,
     aggregation_weights,
     kl_penalty,
     masked_sum,
     ppo_clip_loss,
-    truncated_is_weights,
     value_loss,
 )
 
@@ -77,11 +78,42 @@ def test_kl_k3_is_unbiased_and_k1_gradient() -> None:
     assert float((pi * k1).sum()) == pytest.approx(kl, abs=1e-6)
 
 
-def test_truncated_is_weights() -> None:
-    w = truncated_is_weights(torch.tensor([-1.0, -1.0]), torch.tensor([-1.5, -0.5]), cap=1.5)
-    assert w.tolist() == pytest.approx([1.5, math.exp(-0.5)])
+def test_as_a_reward_k1_gives_the_kls_gradient_and_k3_does_not() -> None:
+    """A KL penalty in the reward is differentiated through the score function, E_pi[k(y) grad log pi(y)]:
+    that is grad KL(pi || ref) for k1 and not for k3. In the loss k3 is differentiated directly, which gives
+    the gradient of KL(ref || pi), a pull towards the reference, from a never-negative, low-variance value.
+    Hence the defaults: k1 for kl.use=reward, k3 for kl.use=loss."""
+    logits = torch.tensor([0.3, -0.2, 0.9, 0.1], requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.4, -0.3, 0.2]), dim=0)
+    logpi = torch.log_softmax(logits, dim=0)
+    pi = logpi.exp()
+    (grad_kl,) = torch.autograd.grad((pi * (logpi - ref)).sum(), logits, retain_graph=True)
+
+    def score_function_grad(estimator: str) -> torch.Tensor:
+        penalty = kl_penalty(logpi, ref, estimator).detach()
+        return torch.autograd.grad((pi.detach() * penalty * logpi).sum(), logits, retain_graph=True)[0]
+
+    assert torch.allclose(score_function_grad("k1"), grad_kl, atol=1e-6)
+    assert (score_function_grad("k3") - grad_kl).abs().max() > 0.05
+    # differentiated directly (the loss), k3 over pi's samples gives grad KL(ref || pi): it pulls pi to ref
+    (grad_k3_loss,) = torch.autograd.grad((pi.detach() * kl_penalty(logpi, ref, "k3")).sum(), logits, retain_graph=True)
+    (grad_reverse,) = torch.autograd.grad((ref.exp() * (ref - logpi)).sum(), logits)
+    assert torch.allclose(grad_k3_loss, grad_reverse, atol=1e-6)
+    assert AlgoConfig(advantage="gae", kl={"coef": 0.1, "use": "reward"}).kl.estimator == "k1"
+    assert AlgoConfig(kl={"coef": 0.1}).kl.estimator == "k3"
+    assert AlgoConfig(advantage="gae", kl={"coef": 0.1, "use": "reward", "estimator": "k3"}).kl.estimator == "k3"
+    assert AlgoConfig(kl={"coef": 0.1, "estimator": "k2"}).kl.estimator == "k2"
+
+
+def test_behaviour_weights_truncate_or_mask() -> None:
+    proximal, behaviour = torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.5, -0.5, -1.2])  # w = e^.5, e^-.5, e^.2
+    w = behaviour_weights(proximal, behaviour, cap=1.5)
+    assert w.tolist() == pytest.approx([1.5, math.exp(-0.5), math.exp(0.2)])  # truncated at the cap
+    masked = behaviour_weights(proximal, behaviour, cap=1.5, rule="mask")
+    assert masked.tolist() == pytest.approx([0.0, math.exp(-0.5), math.exp(0.2)])  # above the cap: out of the loss
     lp = torch.tensor([-1.0], requires_grad=True)
-    assert not truncated_is_weights(lp, torch.tensor([-1.0]), 2.0).requires_grad
+    assert not behaviour_weights(lp, torch.tensor([-1.0]), 2.0).requires_grad
+    assert not behaviour_weights(lp, torch.tensor([-1.0]), 2.0, "mask").requires_grad
 
 
 def test_value_loss_golden() -> None:

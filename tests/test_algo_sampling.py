@@ -43,6 +43,7 @@ def test_dynamic_sampler_keeps_informative_groups_across_rounds() -> None:
     assert sampler.stats()["rollout/informative_group_frac"] == pytest.approx(4 / 6)
     batch = sampler.take()
     assert [g.prompt.id for g in batch] == ["a", "d", "e"]  # surplus dropped, order kept
+    assert sampler.stats()["rollout/informative_group_frac"] == pytest.approx(4 / 6)  # as the trainer reads it
 
 
 def test_dynamic_sampler_exhausts() -> None:

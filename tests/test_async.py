@@ -191,8 +191,9 @@ def test_a_group_past_the_staleness_bound_is_dropped_and_counted(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert sum(m["async/dropped_stale"] for m in metrics) == 1
     assert all(m["async/staleness_max"] <= 1 for m in metrics)
-    trained = [r["prompt_id"] for r in read_jsonl(run / "prompt_stats.jsonl")]
-    assert len(trained) == 4 * cfg.trainer.prompts_per_step and trained.count(first.id) == 0
+    recorded = [r["prompt_id"] for r in read_jsonl(run / "prompt_stats.jsonl")]
+    # every scored group is recorded for LIMR, the dropped one too (on the step that dropped it)
+    assert len(recorded) == 4 * cfg.trainer.prompts_per_step + 1 and recorded.count(first.id) == 1
 
 
 @pytest.mark.parametrize("off_policy", ["decoupled", "behaviour"])

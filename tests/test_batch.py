@@ -1,19 +1,21 @@
 """build_batch (agentrl/batch.py) with a real tiny policy: when the learner's old-logprobs pass runs, and that
 one optimizer step without it (the proximal policy taken from the training forward) updates the weights as
-the step with it does."""
+the step with it does; and which trajectories `drop_void_turns` drops (has_void_turn)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from agentrl.algo import AlgoConfig
-from agentrl.batch import build_batch
+from agentrl.batch import build_batch, has_void_turn
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.packing import response_layout
 from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
-from agentrl.types import Group
+from agentrl.types import Group, RewardResult, StopReason
 from tests.learner_util import padded_logprobs, tiny_lm, trajectories
 
 
@@ -102,3 +104,29 @@ def test_the_pass_runs_where_the_step_needs_it() -> None:
                        reference=reference)
     assert len(calls) == 1  # the reward's KL is old policy against the reference, before the step
     assert step.metrics["actor/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the same weights
+
+    loss_algo = AlgoConfig(kl={"coef": 0.1, "use": "loss"})
+    kl_in_loss, calls = _policy(loss_algo)
+    step = build_batch(groups, algo=loss_algo, token_budget=400, mini_batches=1, policy=kl_in_loss,
+                       reference=reference)
+    assert calls == []  # a reference in the loss alone: the step's own forward is the proximal policy
+    [batch] = step.mini_batches
+    assert all(mb.ref_logprobs_T is not None and mb.old_logprobs_T is None for mb in batch.micro_batches)
+    assert "actor/kl_loss" in kl_in_loss.train_step(batch)
+
+
+def test_a_void_turn_is_the_rollout_s_per_turn_count() -> None:
+    """has_void_turn reads how many turns the rollout judged void (SimpleTIR's rule, rollout.py); neither the
+    stop reason nor an answer anywhere in the response decides it."""
+    [t] = trajectories(1)
+    answered = RewardResult(1.0, {"has_answer": 1.0})
+    assert has_void_turn(dataclasses.replace(t, stop_reason=StopReason.EOS, reward=answered,
+                                             timings={"invalid_turns": 0.0, "void_turns": 1.0}))
+    assert has_void_turn(dataclasses.replace(t, stop_reason=StopReason.TURN_LENGTH, reward=answered,
+                                             timings={"invalid_turns": 0.0, "void_turns": 1.0}))
+    # ended on EOS with no answer, after a turn whose tool call did not parse: each turn still held a call
+    unanswered = RewardResult(0.0, {"has_answer": 0.0})
+    assert not has_void_turn(dataclasses.replace(t, stop_reason=StopReason.EOS, reward=unanswered,
+                                                 timings={"invalid_turns": 1.0, "void_turns": 0.0}))
+    with pytest.raises(ValueError, match="void_turns"):
+        has_void_turn(dataclasses.replace(t, timings={}))

@@ -11,7 +11,7 @@ import torch
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.advantage import compute_advantages
-from agentrl.algo.loss import aggregate, kl_penalty, ppo_clip_loss, truncated_is_weights
+from agentrl.algo.loss import aggregate, behaviour_weights, kl_penalty, ppo_clip_loss
 from agentrl.engine import bucket_by_bytes
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.critic import CriticWorker
@@ -43,11 +43,15 @@ def _hf_grads(named) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_packed_equals_padded_loss_and_gradients(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "rule"), [("token_mean", "truncate"), ("seq_mean_token_mean", "truncate"),
+                                           ("seq_mean_token_sum_norm", "truncate"), ("token_mean", "mask")])
+def test_packed_equals_padded_loss_and_gradients(mode: str, rule: str) -> None:
     lm = tiny_lm(seed=1)
     plain = copy.deepcopy(lm)
-    algo = AlgoConfig(loss_agg=mode, **FULL_ALGO)
+    norm = 37 if mode == "seq_mean_token_sum_norm" else None  # Dr.GRPO's constant, not a length of the batch
+    # mask: a cap inside the weights' spread here (old logprobs near -4, the engine's random), so it acts
+    algo = AlgoConfig(loss_agg=mode, loss_norm_tokens=norm, tis_rule=rule,
+                      **FULL_ALGO | ({"tis_cap": 0.03} if rule == "mask" else {}))
     trajs = trajectories(10, seed=4)
     worker = PolicyWorker(_config(), algo, model=lm)
     [batch] = pack(trajs, worker.config.token_budget)
@@ -70,9 +74,12 @@ def test_packed_equals_padded_loss_and_gradients(mode: str) -> None:
     lp, ent = padded_logprobs(plain, trajs)
     mask = layout.mask_BR
     pg, _ = ppo_clip_loss(lp, old, adv, algo.clip_low, algo.clip_high, algo.dual_clip)
-    pg = pg * truncated_is_weights(old, layout.engine_logprobs_BR, algo.tis_cap)
-    loss = (aggregate(pg, mask, mode) + 0.1 * aggregate(kl_penalty(lp, ref, "k3"), mask, mode)
-            - 0.01 * aggregate(ent, mask, mode))
+    weights = behaviour_weights(old, layout.engine_logprobs_BR, algo.tis_cap, rule)
+    if rule == "mask":
+        assert 0 < int(((weights == 0) & (mask > 0)).sum()) < int(mask.sum())  # some tokens masked, not all
+    pg = pg * weights
+    loss = (aggregate(pg, mask, mode, norm) + 0.1 * aggregate(kl_penalty(lp, ref, "k3"), mask, mode, norm)
+            - 0.01 * aggregate(ent, mask, mode, norm))
     loss.backward()
     padded = _hf_grads(plain.named_parameters())
 

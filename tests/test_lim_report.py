@@ -16,7 +16,7 @@ from agentrl.config import ConfigError
 from agentrl.lim import epoch_accuracies, lim_scores, select
 from agentrl.run import load_run_config
 from agentrl.trainer import train
-from tests.conftest import REPO, SHARED
+from tests.conftest import REPO, SHARED, shared_file
 
 LIMR_SCORES = SHARED / "limr" / "lim_scores.json"
 
@@ -145,3 +145,23 @@ def test_the_report_renders_a_tiny_runs_curves_and_samples(run_dir, tmp_path):
     assert '<span class="tool">out</span>' in shown and "Q &lt;b&gt;" in shown and "reward 1" in shown
     missing = CliRunner().invoke(app, ["report", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "no metrics.jsonl" in missing.output
+
+
+def test_the_limr_recipes_task_reads_limrs_8523_problems(qwen_tokenizer, monkeypatch):
+    """tasks/limr_math.yaml over LIMR's own file: every problem a prompt in LIMR's chat form (its system
+    message, the problem as the user's), the answer as the ground truth."""
+    from agentrl.task import Task
+
+    monkeypatch.chdir(REPO)
+    path = shared_file("limr/math8k.json")
+    spec = load_run_config(REPO / "configs/limr_qwen2.5-math-7b.yaml", [f"task.dataset.path={path}"]).task
+    prompts = list(Task(spec, source="task").prompts(qwen_tokenizer))
+    rows = json.loads(path.read_text())
+    graded = [r for r in rows if r["answer"]]
+    assert len(rows) == 8523 and len(graded) == 8521  # two have no answer to grade against: filtered out
+    assert len(prompts) == len(graded) - 8  # 8 run past the 1,024-token prompt budget and are dropped
+    first = prompts[0]
+    assert first.id == rows[0]["id"] and first.ground_truth == rows[0]["answer"]
+    assert first.text.startswith("<|im_start|>system\nPlease reason step by step, and put your final answer within "
+                                 "\\boxed{}.<|im_end|>\n<|im_start|>user\n" + rows[0]["prompt"])
+    assert first.text.endswith("<|im_start|>assistant\n")

@@ -178,6 +178,8 @@ def test_math_reward_values() -> None:
     assert wrong.score == -1.0 and wrong.parts["correct"] == 0.0 and wrong.parts["has_answer"] == 1.0
     missing = reward("I think it is 2", "2")
     assert missing.score == -1.0 and missing.parts["has_answer"] == 0.0
+    limr = MathReward(MathReward.Params(correct=1.0, incorrect=-0.5, no_answer=-1.0))  # LIMR's three levels
+    assert [limr(r, "2").score for r in (r"\boxed{2}", r"\boxed{3}", "it is 2", r"\boxed{}")] == [1.0, -0.5, -1.0, -1.0]
 
 
 def test_math_reward_exec_error_penalty_needs_a_failed_call() -> None:

@@ -1,4 +1,5 @@
-"""rollout.py with the tool formats: exact token ids, loss masks, stop reasons, budgets, tool failures.
+"""rollout.py with the tool formats: exact token ids, loss masks, stop reasons, budgets, tool failures,
+void turns.
 
 A scripted engine plays the model: it tokenizes the scripted text of each turn and stops like a real
 engine (the token completing a stop string is returned whole, EOS is appended, max_tokens cuts), so the
@@ -199,10 +200,23 @@ def test_search_r1_search_then_answer(tok):
 
 
 def test_search_r1_invalid_action_then_continue(tok):
-    scripts = {"p0": ["I just talk." + EOS, "<answer>Paris</answer>"]}
+    """A turn stopped by a stop string whose action does not parse gets Search-R1's invalid-action message."""
+    scripts = {"p0": ["I just talk.</search>", "<answer>Paris</answer>"]}
     _, (t,) = do_rollout(tok, SearchR1Format(), scripts, Budgets(max_turns=3, max_tool_calls=2), {"search": search_tool()})
     assert tok.decode(t.segments[1].token_ids) == SEARCH_R1_INVALID
     assert t.stop_reason == StopReason.ANSWERED and t.tool_records == []
+
+
+@pytest.mark.parametrize("ending", [EOS, ""])  # "": the engine stopped without emitting the EOS token
+def test_search_r1_turn_ending_without_an_action_ends_the_trajectory(tok, ending):
+    """Nothing is appended after the model's EOS: the trajectory ends there, as it does in the other formats."""
+    scripts = {"p0": ["I just talk." + ending, "<answer>Paris</answer>"]}
+    engine, (t,) = do_rollout(tok, SearchR1Format(), scripts, Budgets(max_turns=3, max_tool_calls=2),
+                              {"search": search_tool()})
+    assert t.stop_reason == StopReason.EOS
+    assert [s.source for s in t.segments] == ["model"] and t.segments[0].token_ids == engine.returned["p0/0"][0]
+    assert tok.decode(t.response_ids) == "I just talk." + ending
+    assert len(engine.returned["p0/0"]) == 1 and t.timings["invalid_turns"] == 0
 
 
 def test_stop_string_ending_inside_a_token_keeps_the_whole_token(qwen_tokenizer):
@@ -400,6 +414,74 @@ def test_a_tool_that_hangs_or_raises_becomes_an_observation(tok):
     t = g1.trajectories[0]
     assert t.tool_records[0].result.error == "exception" and "service down" in tok.decode(t.segments[1].token_ids)
     assert t.stop_reason == StopReason.EOS
+
+
+# --- void turns (SimpleTIR) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "void"), [
+    ("```python\nprint(1)\n```\n```output", False),
+    ("```py\nprint(1)\n```\n```output", False),  # SimpleTIR runs ```py and bare ``` blocks as code too
+    ("```\nprint(1)\n```" + EOS, False),
+    ("So it is \\boxed{5}." + EOS, False),
+    ("Then it is \\boxed{12", False),  # an opened \boxed{ is SimpleTIR's answer, closed or not
+    ("no code here\n```output", True),
+    ("```python\nprint(1)\n", True),  # a block that never closes is no code block
+    ("```output\n5\n```", True),  # a fence opens code only bare or tagged py / python
+    ("It is \\fbox{5}, i.e. \\boxed 5." + EOS, True),  # only the literal \boxed{ counts
+    ("It is 5." + EOS, True),
+])
+def test_torl_void_turn(text, void):
+    assert TorlFormat().is_void(text) is void
+
+
+@pytest.mark.parametrize(("text", "void"), [
+    ("<think>x</think><search> capital of France </search>", False),
+    ("<answer> Paris </answer>", False),
+    ("I just talk.</search>", True),
+    ("<answer> Par", True),  # cut before </answer>: no answer in Search-R1's syntax
+    ("I just talk." + EOS, True),
+])
+def test_search_r1_void_turn(text, void):
+    assert SearchR1Format().is_void(text) is void
+
+
+@pytest.mark.parametrize(("text", "void"), [
+    ('<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>' + EOS, False),
+    ("<tool_call>{oops}</tool_call>" + EOS, False),  # a call that fails is still a call, like code that fails
+    ("So it is \\boxed{5}." + EOS, False),  # the math reward's answer
+    ("<answer> Paris </answer>" + EOS, False),  # the QA rewards' answer
+    ('<tool_call>{"name": "pyth', True),
+    ("It is 5." + EOS, True),
+])
+def test_hermes_void_turn(tok, text, void):
+    assert HermesFormat(tok).is_void(text) is void
+
+
+def test_void_turns_are_counted_per_turn_whatever_ended_the_turn(tok):
+    """A model turn whose own text has neither a code block nor a \\boxed{ answer is void: the last turn, a
+    turn cut by its length or by the response budget included, and an answer in another turn excuses none."""
+    scripts = {
+        "clean": [CALL, "\\boxed{1}" + EOS],
+        "earlier_answer": ["Maybe \\boxed{4}. Check:\n```python\nprint(2 + 2)\n```\n```output", "Hmm." + EOS],
+        "invalid": ["no code here\n```output", "\\boxed{5}" + EOS],
+        "cut": ["word " * 20],
+        "cut_answer": ["\\boxed{" + "7" * 60],
+    }
+    budgets = Budgets(max_turns=3, max_tool_calls=2, max_tokens_per_turn=40)
+    _, ts = do_rollout(tok, TorlFormat(), scripts, budgets, {"python": FunctionTool("python", run_python)})
+    voids = {t.prompt.id: t.timings["void_turns"] for t in ts}
+    assert voids == {"clean": 0, "earlier_answer": 1, "invalid": 1, "cut": 1, "cut_answer": 0}
+    by_id = {t.prompt.id: t for t in ts}
+    assert by_id["earlier_answer"].stop_reason == StopReason.EOS and "\\boxed{4}" in tok.decode(by_id["earlier_answer"].response_ids)
+    assert by_id["cut"].stop_reason == by_id["cut_answer"].stop_reason == StopReason.TURN_LENGTH
+    assert rollout_metrics(ts)["rollout/void_turns/mean"] == pytest.approx(3 / 5)
+
+    n_call = len(tok.encode(CALL, add_special_tokens=False))
+    n_obs = len(tok.encode("\n1\n```\n", add_special_tokens=False))
+    budgets = Budgets(max_turns=3, max_tool_calls=2, max_response_tokens=n_call + n_obs + 10)
+    _, (t,) = do_rollout(tok, TorlFormat(), {"p0": [CALL, "word " * 20]}, budgets, {"python": FunctionTool("python", run_python)})
+    assert t.stop_reason == StopReason.RESPONSE_BUDGET and t.timings["void_turns"] == 1
 
 
 # --- drivers, groups, metrics, dumps -------------------------------------------------------------------------

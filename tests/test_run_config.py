@@ -28,6 +28,12 @@ def test_shared_settings_are_derived_once():
     assert cfg.learner.temperature == 0.7
     assert cfg.rollout.seed == 5 and cfg.learner.seed == 5
     assert cfg.algo.overlong.max_tokens == 48  # the task's response budget
+    drgrpo = load_run_config(DEBUG, ["algo.advantage=drgrpo", "algo.loss_agg=seq_mean_token_sum_norm"])
+    assert drgrpo.algo.loss_norm_tokens == 48  # Dr.GRPO's constant: the response budget, not a batch's longest
+    assert load_run_config(DEBUG, ["algo.loss_agg=seq_mean_token_sum_norm", "algo.loss_norm_tokens=4096"]
+                           ).algo.loss_norm_tokens == 4096
+    assert load_run_config(DEBUG, ["algo.advantage=gae", "algo.kl.coef=0.01", "algo.kl.use=reward"]).algo.kl.estimator == "k1"
+    assert load_run_config(DEBUG, ["algo.kl.coef=0.01"]).algo.kl.estimator == "k3"
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -40,6 +46,9 @@ def test_shared_settings_are_derived_once():
     (["trainer.eval_holdout=0"], "trainer.eval_every needs a validation set"),
     (["trainer.epochs=2"], "exactly one of trainer.steps or trainer.epochs"),
     (["traner.steps=2"], "--set 'traner.steps=2': unknown key 'traner'"),
+    (["rollout.n=1"], "algo.advantage=grpo compares each sample with the others of its prompt's group, so rollout.n "
+                      "must be at least 2 (it is 1)"),
+    (["rollout.n=1", "algo.advantage=rloo"], "algo.advantage=rloo"),
 ])
 def test_contradictions_and_bad_values_are_errors_naming_the_keys(sets, message):
     with pytest.raises(ConfigError) as e:
@@ -66,18 +75,50 @@ def test_every_shipped_config_validates(name):
 
 
 def test_the_recipes_keep_the_papers_settings():
+    """Each recipe resolved as a run sees it (after every derivation), against its paper's script."""
     torl = load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml")
-    assert (torl.trainer.prompts_per_step, torl.rollout.n, torl.learner.optim.lr, torl.algo.kl.coef) == (128, 16, 1e-6, 0.0)
-    assert (torl.task.budgets.max_prompt_tokens, torl.task.budgets.max_response_tokens,
-            torl.task.budgets.max_tool_calls) == (400, 3072, 1)
+    assert (torl.trainer.prompts_per_step, torl.rollout.n, torl.rollout.temperature, torl.trainer.mini_batches,
+            torl.trainer.ppo_epochs, torl.trainer.steps) == (128, 16, 1.0, 1, 1, 1000)
+    assert (torl.learner.optim.lr, torl.learner.optim.warmup_steps, torl.learner.optim.schedule,
+            torl.learner.optim.weight_decay, torl.learner.optim.grad_clip) == (1e-6, 0, "constant", 0.01, 1.0)
+    assert (torl.algo.advantage, torl.algo.kl.coef, torl.algo.entropy_coef, torl.algo.clip_low, torl.algo.clip_high,
+            torl.algo.needs_reference) == ("grpo", 0.0, 0.0, 0.2, 0.2, False)
+    assert (torl.task.budgets.max_prompt_tokens, torl.task.budgets.max_response_tokens, torl.task.budgets.max_tool_calls,
+            torl.task.budgets.max_turns, torl.task.budgets.observation_max_chars) == (390, 3072, 1, 2, 256)
+
     ppo = load_run_config(REPO / "configs/search_r1_qwen2.5-3b.yaml")
-    assert ppo.algo.advantage == "gae" and ppo.critic is not None and ppo.critic.optim.lr == 1e-5
-    assert (ppo.trainer.prompts_per_step, ppo.learner.optim.lr, ppo.algo.kl.coef, ppo.task.tools.search_topk) == (
-        512, 1e-6, 0.001, 3)
-    assert (ppo.task.budgets.max_turns, ppo.task.budgets.max_tokens_per_turn, ppo.task.budgets.observation_max_tokens) == (
-        4, 500, 500)
+    assert ppo.algo.advantage == "gae" and ppo.rollout.n == 1 and (ppo.algo.gamma, ppo.algo.lam) == (1.0, 1.0)
+    assert (ppo.algo.kl.coef, ppo.algo.kl.use, ppo.algo.kl.estimator) == (0.001, "reward", "k1")
+    assert (ppo.algo.value_clip, ppo.algo.entropy_coef, ppo.algo.clip_low, ppo.algo.clip_high) == (0.5, 0.001, 0.2, 0.2)
+    assert (ppo.learner.optim.lr, ppo.learner.optim.warmup_steps) == (1e-6, 286)  # int(0.285 * 1005) trainer steps
+    assert ppo.critic is not None and (ppo.critic.optim.lr, ppo.critic.optim.warmup_steps) == (1e-5, 15)  # 0.015
+    assert (ppo.trainer.steps, ppo.trainer.prompts_per_step, ppo.trainer.mini_batches, ppo.trainer.eval_every,
+            ppo.task.tools.search_topk) == (1005, 512, 2, 100, 3)
+    assert (ppo.task.budgets.max_turns, ppo.task.budgets.max_tool_calls, ppo.task.budgets.max_tokens_per_turn,
+            ppo.task.budgets.observation_max_tokens, ppo.task.budgets.max_prompt_tokens) == (5, 4, 500, 500, 2048)
+    assert ppo.task.budgets.max_context_tokens >= 2048 + ppo.task.budgets.max_response_tokens == 2048 + 4500
+
     grpo = load_run_config(REPO / "configs/search_r1_qwen2.5-3b_grpo.yaml")
-    assert grpo.algo.advantage == "grpo" and grpo.rollout.n == 5 and grpo.algo.kl.use == "loss"
+    assert (grpo.algo.advantage, grpo.rollout.n, grpo.critic) == ("grpo", 5, None)
+    assert (grpo.algo.kl.coef, grpo.algo.kl.use, grpo.algo.kl.estimator, grpo.algo.entropy_coef) == (
+        0.001, "loss", "k3", 0.001)
+    assert (grpo.learner.optim.lr, grpo.learner.optim.warmup_steps) == (1e-6, 286)
+    assert (grpo.trainer.steps, grpo.trainer.prompts_per_step, grpo.trainer.mini_batches) == (1005, 512, 10)  # 2560 / 256
+
+    limr = load_run_config(REPO / "configs/limr_qwen2.5-math-7b.yaml")
+    assert limr.model.path == "Qwen/Qwen2.5-Math-7B" and limr.task.dataset.path == "data/limr.jsonl"
+    assert (limr.trainer.prompts_per_step, limr.rollout.n, limr.rollout.temperature) == (1024, 8, 1.2)
+    assert limr.trainer.prompts_per_step * limr.rollout.n // limr.trainer.mini_batches == 256  # training batch 256
+    assert (limr.algo.advantage, limr.algo.gamma, limr.algo.lam, limr.algo.value_clip) == ("gae", 1.0, 0.95, 0.2)
+    assert (limr.algo.kl.coef, limr.algo.kl.use, limr.algo.kl.estimator) == (0.01, "reward", "k1")
+    assert limr.critic is not None and (limr.learner.optim.lr, limr.critic.optim.lr) == (5e-7, 9e-6)
+    assert limr.learner.optim.betas == limr.critic.optim.betas == (0.9, 0.95)
+    assert (limr.task.budgets.max_prompt_tokens, limr.task.budgets.max_response_tokens, limr.task.tools.format) == (
+        1024, 3072, None)
+    assert limr.task.reward.params == {"correct": 1.0, "incorrect": -0.5, "no_answer": -1.0}
+    full = load_run_config(REPO / "configs/limr_qwen2.5-math-7b.yaml",
+                           ["name=limr_full", "task.dataset.path=data/math.8k.json", "trainer.steps=175"])
+    assert full.task.dataset.path == "data/math.8k.json" and full.trainer.steps == 175  # the README's first run
 
 
 @pytest.mark.parametrize(("sets", "message"), [

@@ -261,14 +261,15 @@ def test_each_algorithm_option_trains_a_step(tmp_path, sets, expected):
 
 
 def test_filters_drop_what_they_name_from_the_loss(tmp_path):
-    """A random model never answers: every trajectory that ends on its own has a void turn, every other one
-    hit the response budget; the two filters together leave no loss token, and the step is skipped."""
+    """A random model never writes a code block or an answer: every trajectory has a void turn, those cut by
+    the response budget included; the filters leave no loss token, and the step is skipped."""
     run = train(config(tmp_path, *QUICK, "algo.overlong.filter_truncated=true", "algo.drop_void_turns=true")).root
     [m] = read_jsonl(run / "metrics.jsonl")
     trajectories = m["batch/trajectories"]
     truncated = round(m["rollout/stop/response_budget"] * trajectories)
+    assert 0 < truncated < trajectories
     assert m["batch/truncated_dropped"] == truncated
-    assert m["batch/void_dropped"] == round(m["rollout/stop/eos"] * trajectories)
+    assert m["batch/void_dropped"] == trajectories and m["rollout/void_turns/mean"] >= 1.0
     assert m["batch/loss_tokens"] == 0.0 and m["actor/step_skipped"] == 1.0
 
 
@@ -278,11 +279,14 @@ def test_dynamic_sampling_samples_again_until_groups_carry_a_signal(tmp_path, mo
     run = train(config(tmp_path, *QUICK, "algo.dynamic_sampling.enabled=true", *signal_sets, name="signal")).root
     [m] = read_jsonl(run / "metrics.jsonl")
     assert m["rollout/dynamic_sampling_rounds"] == 1.0 and m["rollout/groups_kept"] == 4.0
+    assert m["rollout/informative_group_frac"] == 1.0 and m["rollout/dynamic_sampling_fallback"] == 0.0
     # the math reward gives every sample of a random model -1: no group is informative, every round runs
     run = train(config(tmp_path, *QUICK, "algo.dynamic_sampling.enabled=true",
                        "algo.dynamic_sampling.max_rounds=3", name="flat")).root
     [m] = read_jsonl(run / "metrics.jsonl")
     assert m["rollout/dynamic_sampling_rounds"] == 3.0 and m["rollout/groups_kept"] == 0.0
+    assert m["rollout/informative_group_frac"] == 0.0 and m["rollout/dynamic_sampling_fallback"] == 1.0
+    assert m["batch/trajectories"] == 4 * 4  # the step's usual size, not every round's groups
     assert len(read_jsonl(run / "prompt_stats.jsonl")) == 3 * 4  # every round's prompts are recorded
 
 

@@ -17,14 +17,27 @@ from agentrl.config import StrictModel
 AdvantageName = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+TISRule = Literal["truncate", "mask"]
 
 
 class KLConfig(StrictModel):
-    """KL to the reference policy: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++)."""
+    """KL to the reference policy: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++).
+
+    The estimator's default follows its use. In the reward the policy gradient treats the penalty as a
+    return, so what is estimated must be log(pi/pi_ref) itself: k1's score-function gradient is the KL's,
+    k3's is not (its expectation is the KL, but E[k3 * grad log pi] is not grad KL). In the loss the
+    estimator is differentiated directly: k3 (GRPO's, veRL's low_var_kl) then gives the gradient of
+    KL(ref || pi), a pull towards the reference, from a value that is never negative and of low variance."""
 
     coef: float = Field(0.0, ge=0.0, description="0 turns the KL term off (no reference model is needed)")
-    estimator: KLEstimator = "k3"  # k3 is the low-variance estimator of GRPO / veRL's low_var_kl
+    estimator: KLEstimator | None = Field(None, description="k1, k2 or k3; unset: k1 in the reward, k3 in the loss")
     use: Literal["loss", "reward"] = "loss"
+
+    @model_validator(mode="after")
+    def _estimator_by_use(self) -> KLConfig:
+        if self.estimator is None:
+            object.__setattr__(self, "estimator", "k1" if self.use == "reward" else "k3")
+        return self
 
 
 class DynamicSamplingConfig(StrictModel):
@@ -65,8 +78,8 @@ class AlgoConfig(StrictModel):
     )
     loss_agg: LossAgg = "token_mean"
     loss_norm_tokens: int | None = Field(
-        None, ge=1, description="seq_mean_token_sum_norm's constant (Dr.GRPO: the response budget); "
-        "unset: the longest response of the batch"
+        None, ge=1, description="seq_mean_token_sum_norm's constant, the same every step (Dr.GRPO: the response "
+        "budget); unset: a run config sets it to task.budgets.max_response_tokens"
     )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_high: float = Field(0.2, ge=0.0, description="DAPO clip-higher: e.g. 0.28")
@@ -75,11 +88,15 @@ class AlgoConfig(StrictModel):
     entropy_coef: float = Field(0.0, ge=0.0)
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping range; unset: no clipping")
     tis_cap: float | None = Field(
-        2.0, gt=0.0, description="decoupled: each token's loss weighted by min(pi_learner_old / pi_engine, tis_cap), "
-        "truncated importance sampling against the policy that sampled (engine numerics, stale weights); null: no weights")
+        2.0, gt=0.0, description="decoupled: each token's loss weighted by w = pi_learner_old / pi_engine, bounded "
+        "at tis_cap by tis_rule (against the policy that sampled: engine numerics, stale weights); null: no weights")
+    tis_rule: TISRule = Field(
+        "truncate", description="how tis_cap bounds the weights: truncate, min(w, tis_cap) for every token "
+        "(truncated importance sampling); mask, w up to tis_cap and 0 above, the token leaving the loss "
+        "(AReaL's decoupled objective)")
     off_policy: Literal["decoupled", "behaviour"] = Field(
         "decoupled", description="the PPO ratio's denominator: decoupled, the learner's logprobs before the step "
-        "(the proximal policy), with the tis_cap weights to the engine's (AReaL's decoupled objective); behaviour, "
+        "(the proximal policy), with the tis_cap weights to the engine's (the decoupled objective); behaviour, "
         "the engine's logprobs (plain PPO against the policy that sampled, however stale)")
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     drop_void_turns: bool = Field(
@@ -97,6 +114,11 @@ class AlgoConfig(StrictModel):
                 f"advantage {self.advantage!r} takes kl.use=loss"
             )
         return self
+
+    @property
+    def group_relative(self) -> bool:
+        """Whether the advantage compares each sample with the others of its prompt's group."""
+        return self.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
     @property
     def needs_critic(self) -> bool:

@@ -1,5 +1,5 @@
 """Per-token losses and how they are aggregated: PPO clip (asymmetric, dual), GSPO's sequence ratio, KL,
-entropy, value, TIS.
+entropy, value, and the importance weights against the policy that sampled.
 
 Every function is elementwise over tokens (any shape) except the aggregation, which needs to know which
 sequence a token belongs to. Aggregation is expressed as per-token weights (`aggregation_weights`) so that
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from agentrl.algo import KLEstimator, LossAgg
+from agentrl.algo import KLEstimator, LossAgg, TISRule
 
 # exp() of a log-ratio past this is inf in float32; the clip makes such tokens constant anyway
 _MAX_LOG_RATIO = 20.0
@@ -72,12 +72,16 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     return (torch.exp(neg) - 1.0 - neg).clamp(-10.0, 10.0)
 
 
-def truncated_is_weights(learner_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
-    """Truncated importance sampling (Yao et al. 2025): the engine (vLLM) samples from a slightly different
-    distribution than the learner computes; weight each token's policy loss by min(pi_learner / pi_engine,
-    cap), detached. `learner_logprobs` are the learner's logprobs of the rollout policy (old logprobs)."""
-    log_ratio = (learner_logprobs - engine_logprobs).clamp(max=_MAX_LOG_RATIO)
-    return torch.exp(log_ratio).clamp(max=cap).detach()
+def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float,
+                      rule: TISRule = "truncate") -> Tensor:
+    """Per-token weights w = pi_proximal / pi_behaviour of the policy loss, detached, bounded at `cap` by
+    `rule`: "truncate" gives min(w, cap) (truncated importance sampling, Yao et al. 2025: every token keeps
+    a bounded weight); "mask" gives w where w <= cap and 0 above it (AReaL's decoupled objective: a token
+    the behaviour policy found far less likely than the proximal one leaves the loss). The proximal
+    logprobs are the learner's before the step; the behaviour ones are the engine's, which sampled (its
+    numerics, and stale weights in asynchronous training)."""
+    w = torch.exp((proximal_logprobs - behaviour_logprobs).clamp(max=_MAX_LOG_RATIO)).detach()
+    return w.clamp(max=cap) if rule == "truncate" else torch.where(w <= cap, w, 0.0)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None = 0.2) -> tuple[Tensor, Tensor]:
@@ -125,7 +129,8 @@ def aggregation_weights(
         seq_tokens.index_add_(0, seq_index_T, mask_T)
         return mask_T / (seq_tokens[seq_index_T].clamp(min=1) * max(num_sequences, 1))
     if norm_tokens is None:
-        raise ValueError("seq_mean_token_sum_norm needs norm_tokens (Dr.GRPO's constant)")
+        raise ValueError("loss_agg seq_mean_token_sum_norm needs algo.loss_norm_tokens, Dr.GRPO's constant (a run "
+                         "config sets it to task.budgets.max_response_tokens)")
     return mask_T / (norm_tokens * max(num_sequences, 1))
 
 

@@ -55,6 +55,7 @@ class DynamicSampler:
         self.rounds = 0
         self.kept: list[Group] = []
         self.seen = 0
+        self.informative = 0  # of the groups seen (kept ones may be taken, surplus ones dropped)
 
     def add(self, groups: Iterable[Group]) -> int:
         """One generation round's groups; returns how many were kept."""
@@ -63,6 +64,7 @@ class DynamicSampler:
         for group in groups:
             self.seen += 1
             if is_informative(group):
+                self.informative += 1
                 self.kept.append(group)
         return len(self.kept) - before
 
@@ -85,7 +87,7 @@ class DynamicSampler:
     def stats(self) -> dict[str, float]:
         return {
             "rollout/dynamic_sampling_rounds": float(self.rounds),
-            "rollout/informative_group_frac": len(self.kept) / self.seen if self.seen else 0.0,
+            "rollout/informative_group_frac": self.informative / self.seen if self.seen else 0.0,
         }
 
 

@@ -69,7 +69,7 @@ def loss_weights(mb: MicroBatch, batch: Batch, algo: AlgoConfig) -> tuple[Tensor
     plain token-mean weights (for metrics): sum(w * x) is then the batch's share of this micro-batch."""
     weights_T = aggregation_weights(
         mb.loss_mask_T, mb.seq_index_T, len(mb.rows), algo.loss_agg, batch.num_loss_tokens,
-        batch.num_loss_sequences, algo.loss_norm_tokens or batch.max_response_len,
+        batch.num_loss_sequences, algo.loss_norm_tokens,
     )
     return weights_T, mb.loss_mask_T / max(batch.num_loss_tokens, 1)
 

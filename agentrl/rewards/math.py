@@ -358,12 +358,15 @@ def gold_answers(ground_truth: Any) -> list[str]:
 
 
 class MathReward:
-    """`correct` when the last boxed answer equals a gold answer, else `incorrect` (also with no boxed
-    answer); minus `exec_error_penalty` when the response called the tool and a call failed."""
+    """`correct` when the last boxed answer equals a gold answer, else `incorrect`, or `no_answer` when there
+    is no boxed answer at all (unset: `incorrect`); minus `exec_error_penalty` when the response called the
+    tool and a call failed."""
 
     class Params(StrictModel):
         correct: float = 1.0
         incorrect: float = -1.0
+        no_answer: float | None = Field(None, description="the score without a boxed answer (LIMR: -1 against "
+                                        "-0.5 for a wrong one); unset: incorrect")
         exec_error_penalty: float = Field(0.0, ge=0, description="subtracted when a tool call failed")
         timeout_s: float = Field(5.0, gt=0, description="limit on one sympy comparison; a timeout is wrong")
 
@@ -384,6 +387,8 @@ class MathReward:
         # a response that did call the tool and saw it fail.
         exec_error = tool_calls > 0 and tool_errors > 0
         score = self.params.correct if correct else self.params.incorrect
+        if not has_answer and self.params.no_answer is not None:
+            score = self.params.no_answer
         if exec_error:
             score -= self.params.exec_error_penalty
         parts = {"correct": float(correct), "has_answer": float(has_answer), "exec_error": float(exec_error)}

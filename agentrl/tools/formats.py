@@ -3,13 +3,16 @@
 The rollout (rollout.py) decodes the ids of each model turn and asks the task's format to `parse` it:
 `Calls` (run these tools), `Answer` (the trajectory is done), `Invalid` (show this message and let the
 model go on), or None (the turn ended the trajectory). After the tools ran, `render` gives the
-observation text, which the rollout tokenizes on its own and appends as a masked tool segment.
+observation text, which the rollout tokenizes on its own and appends as a masked tool segment. A format
+also says whether a turn is void (`is_void`, SimpleTIR's void turn): its text holds neither a tool call nor
+a final answer, as written in the format's syntax, whether or not the call parses.
 
 - `TorlFormat` (ToRL): the model writes a ```python block and then "```output"; we run the last python
   block of the turn and append "\\n{output}\\n```\\n". Output past 256 characters keeps the first and last
   128 around "..."; an error keeps only its last line (ToRL's post-processing).
 - `SearchR1Format` (Search-R1): `<search> q </search>` runs the retriever, `<answer> a </answer>` ends
-  the trajectory, anything else gets Search-R1's invalid-action message.
+  the trajectory, a turn stopped at a stop string without a parsable action gets Search-R1's invalid-action
+  message, and a turn that ended on EOS without an action ends the trajectory.
 - `HermesFormat` (Hermes / Qwen JSON): `<tool_call>{"name", "arguments"}</tool_call>` blocks in an
   assistant message that ends with EOS; tool messages are rendered by the tokenizer's chat template, and
   only the part appended after the model's EOS is tokenized (see `HermesFormat.render`).
@@ -64,6 +67,36 @@ class ToolFormat(ABC):
 
     def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
         return invalid.message
+
+    def has_call(self, text: str) -> bool:
+        """Whether the model turn `text` writes a complete tool call in this format's syntax, parsable or not:
+        SimpleTIR counts code that fails as code. Unless a format knows better: the turn reached one of its
+        stop strings, which end its calls."""
+        return any(s in text for s in self.stop)
+
+    def has_answer(self, text: str) -> bool:
+        """Whether the model turn `text` writes a final answer in the form this format's tasks are graded on;
+        unless a format knows better, either form the project's rewards read."""
+        return has_graded_answer(text)
+
+    def is_void(self, text: str) -> bool:
+        """SimpleTIR's void turn: the model turn `text` (all of it, however the turn ended) holds neither a
+        tool call nor a final answer."""
+        return not (self.has_call(text) or self.has_answer(text))
+
+
+# SimpleTIR's final answer is an opened \boxed{, closed or not: a turn cut inside its answer has one.
+BOXED_OPENER = "\\boxed{"
+# A fenced block SimpleTIR would run: a bare, py or python fence ending its line, up to a closing fence at the
+# start of a line (an empty body still needs its own line).
+_FENCED_CODE = re.compile(r"```(?:py|python)?\n.*?\n```", re.DOTALL)
+_QA_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+
+
+def has_graded_answer(text: str) -> bool:
+    """An answer one of the project's rewards reads (rewards/math.py a \\boxed{, rewards/qa.py an <answer>
+    pair): for formats whose syntax has no answer of its own, so either form counts."""
+    return BOXED_OPENER in text or _QA_ANSWER.search(text) is not None
 
 
 # --- ToRL ---------------------------------------------------------------------------------------------
@@ -124,6 +157,14 @@ class TorlFormat(ToolFormat):
     def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
         return self._wrap(invalid.message, turn_text)
 
+    def has_call(self, text: str) -> bool:
+        # SimpleTIR's code block, wider than the ```python block run here: a ```py turn is an invalid action
+        # yet not void, as in SimpleTIR, where it would have run.
+        return _FENCED_CODE.search(text) is not None
+
+    def has_answer(self, text: str) -> bool:
+        return BOXED_OPENER in text
+
     @staticmethod
     def _wrap(observation: str, turn_text: str) -> str:
         # The model's "```output" is already in the text; when its last token also carried the newline,
@@ -140,6 +181,7 @@ SEARCH_R1_INVALID = (
     "Let me try again.\n"
 )
 _SEARCH_R1_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_SEARCH_R1_CALL = re.compile(r"<search>.*?</search>", re.DOTALL)
 
 
 class SearchR1Format(ToolFormat):
@@ -149,7 +191,9 @@ class SearchR1Format(ToolFormat):
     def parse(self, text: str, stop: str | None) -> Action:
         m = _SEARCH_R1_ACTION.search(text)
         if m is None:
-            return Invalid("no_action", SEARCH_R1_INVALID)
+            # After EOS the model has ended its message: a message appended there would follow the EOS in the
+            # ids it trains on.
+            return None if stop is None else Invalid("no_action", SEARCH_R1_INVALID)
         if m.group(1) == "answer":
             return Answer(m.group(2).strip())
         return Calls([ToolCall("search", {"query": m.group(2).strip()}, raw=m.group(0))])
@@ -160,6 +204,12 @@ class SearchR1Format(ToolFormat):
         after = turn_text[turn_text.rfind("</search>") + len("</search>"):] if "</search>" in turn_text else ""
         have = len(after) - len(after.lstrip("\n"))
         return f"{chr(10) * max(0, 2 - have)}<information>{results[0].text.strip()}</information>\n\n"
+
+    def has_call(self, text: str) -> bool:
+        return _SEARCH_R1_CALL.search(text) is not None
+
+    def has_answer(self, text: str) -> bool:
+        return _QA_ANSWER.search(text) is not None  # a complete pair, as parse and rewards/qa.py read it
 
 
 # --- Hermes / Qwen JSON tool calls --------------------------------------------------------------------
@@ -243,6 +293,12 @@ class HermesFormat(ToolFormat):
 
     def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
         return self._appended([invalid.message])
+
+    def has_call(self, text: str) -> bool:
+        return _TOOL_CALL.search(text) is not None
+
+    # has_answer: either answer form (the base's): a message without a tool call ends the conversation, yet
+    # SimpleTIR asks for an answer in it, and which reward grades a Hermes task is the task's choice.
 
 
 class NoTools(ToolFormat):
