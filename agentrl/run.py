@@ -82,6 +82,11 @@ class EngineConfig(StrictModel):
     sleep_level: Literal[0, 1, 2] = Field(
         1, description="vllm: while the learner trains, 1 frees the KV cache and moves weights to the host, "
         "2 also drops the weights (the push restores them), 0 stays awake")
+    request_seeds: bool = Field(
+        False, description="vllm: seed every request (by run, step, prompt, sample and turn), so that a resumed "
+        "run samples what the uninterrupted one did; vLLM then draws each seeded request's noise on its own, "
+        "at a cost per engine step (BENCHMARKS.md). false: the engine's one seeded stream (the hf engine "
+        "always seeds per request)")
 
 
 class TrainerConfig(StrictModel):

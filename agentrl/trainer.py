@@ -105,7 +105,8 @@ def vllm_engine(config: RunConfig, model_dir: str, own_process: bool = False, **
     e = config.engine
     kwargs = dict(model=model_dir, gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
                   enable_sleep_mode=e.sleep_level > 0, enforce_eager=e.enforce_eager,
-                  tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed) | overrides
+                  tensor_parallel_size=e.tensor_parallel_size, seed=config.trainer.seed,
+                  use_request_seeds=e.request_seeds) | overrides
     if own_process:
         from agentrl.engine.process import ProcessEngine
 

@@ -10,9 +10,9 @@ import torch
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import (
-    behaviour_weights,
     aggregate,
     aggregation_weights,
+    behaviour_weights,
     kl_penalty,
     masked_sum,
     ppo_clip_loss,

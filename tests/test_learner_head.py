@@ -31,7 +31,7 @@ def _family_lm(family: str, seed: int = 0) -> nn.Module:
     """A tiny random model of `family` whose post-head transform matters: the head's weights are drawn large
     enough that the logits spread over several units (an HF init leaves them near 0, where a scale barely
     moves the softmax and a softcap is the identity)."""
-    from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig, NanoChatConfig
+    from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, NanoChatConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
@@ -40,6 +40,10 @@ def _family_lm(family: str, seed: int = 0) -> nn.Module:
         "granite": lambda: (GraniteConfig(logits_scaling=8.0, **common), 2.0),
         "cohere": lambda: (CohereConfig(logit_scale=0.5, **common), 0.5),
         "nanochat": lambda: (NanoChatConfig(final_logit_softcapping=3.0, **common), 0.25),
+        # Gemma-2 as packed attention takes it: no sliding-window layers, no attention softcap
+        "gemma2": lambda: (Gemma2Config(final_logit_softcapping=3.0, layer_types=["full_attention"] * 2,
+                                        attn_logit_softcapping=None, head_dim=16, query_pre_attn_scalar=16,
+                                        **common), 0.25),
     }[family]()
     torch.manual_seed(seed)
     lm = AutoModelForCausalLM.from_config(config).float().eval()
@@ -72,7 +76,7 @@ def _hf_reference(lm: nn.Module, trajs) -> tuple[torch.Tensor, torch.Tensor, tor
     return lp, ent, valid
 
 
-FAMILIES = ["granite", "cohere", "nanochat"]
+FAMILIES = ["granite", "cohere", "nanochat", "gemma2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -190,3 +194,16 @@ def test_parameters_outside_the_base_model_and_head_are_refused() -> None:
     lm.final_proj = nn.Linear(64, 64)
     with pytest.raises(ValueError, match="final_proj"):
         PolicyModule(lm, _config())
+
+
+def test_an_attention_score_softcap_is_refused() -> None:
+    """Gemma-2's attention softcap acts inside attention, where the packed kernels have none: refused."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from agentrl.learner.attention import enable_packed_attention
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+                          layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0; expected None"):
+        enable_packed_attention(AutoModelForCausalLM.from_config(config))

@@ -41,6 +41,10 @@ def enable_packed_attention(model: nn.Module, kernel: str = "flash2") -> None:
     config = model.config
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("packed attention supports full causal attention only; this model uses sliding windows")
+    for name in ("attn_logit_softcapping", "attention_logit_cap"):  # the varlen kernels take no softcap
+        if getattr(config.get_text_config(), name, None) is not None:
+            raise ValueError(f"packed attention has no attention-score softcap: this model's config sets {name}="
+                             f"{getattr(config.get_text_config(), name)!r}; expected None")
     global _VARLEN
     varlen = _resolve_varlen(kernel)  # resolved here, not per call: torch.compile traces packed_attention
     if varlen is None and kernel != "flash2":
