@@ -7,6 +7,7 @@ The flow, one module per step:
   ingest.py    corpus -> shards of embeddings or token ids, committed one by one (resumable), rows counted
   build.py     shards -> index -> manifest; atomic rename at the end
   faiss_index.py / bm25.py   the two index families behind one `search(queries, k)` shape
+  analyzer.py  BM25's terms of a passage or query: Lucene's EnglishAnalyzer, as Search-R1's pyserini index
   ranking.py   best score first, ties in corpus order, the same whatever the batch
   docstore.py  every field of a row by integer row from an offsets file and a jsonl, without loading the corpus
   manifest.py  what an index directory holds; validated when a server opens it (searcher.py)

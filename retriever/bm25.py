@@ -1,8 +1,9 @@
 """BM25 through bm25s, behind the same build / search shape as the dense indexes.
 
-Building: ingest.py tokenizes the corpus shard by shard with one bm25s `Tokenizer` (lowercase, English
-stopwords, no stemming), writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` + `.lens.npy`)
-and appending the words each shard adds to a vocabulary log, so an interrupted build resumes.
+Terms are analyzer.py's (Lucene's EnglishAnalyzer, as Search-R1's pyserini BM25 has them), for passages
+and queries alike: bm25s's `Tokenizer` only numbers them. Building: ingest.py tokenizes the corpus shard
+by shard with one such tokenizer, writing each shard's token ids to disk (`tokens/NNNNN.ids.npy` +
+`.lens.npy`) and appending the terms each shard adds to a vocabulary log, so an interrupted build resumes.
 `build_bm25` then feeds the shards to bm25s as a lazy sequence (bm25s walks it a few times; no list of
 21M token lists is ever held) and saves the sparse score matrix into `bm25/`. Searching maps that matrix
 (`mmap=True`), scores every passage for each query and keeps the best k, equal scores in corpus order
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retriever.analyzer import analyze
 from retriever.errors import RetrieverError
 from retriever.ranking import top_k
 
@@ -31,13 +33,15 @@ TOKENIZER_VOCAB = "tokenizer_vocab.json"
 # vocabulary): a server checks each is there before it loads any.
 INDEX_FILES = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy", "vocab.index.json",
                "params.index.json", TOKENIZER_VOCAB)
-DEFAULT_K1, DEFAULT_B, DEFAULT_METHOD, DEFAULT_STOPWORDS = 0.9, 0.4, "lucene", "en"
+DEFAULT_K1, DEFAULT_B, DEFAULT_METHOD = 0.9, 0.4, "lucene"
 
 
-def new_tokenizer(stopwords: str = DEFAULT_STOPWORDS, word_to_id: dict[str, int] | None = None):
+def new_tokenizer(word_to_id: dict[str, int] | None = None):
+    """A bm25s tokenizer that numbers analyzer.py's terms (it lowercases, drops and stems nothing itself),
+    continuing `word_to_id` where given."""
     from bm25s.tokenization import Tokenizer
 
-    tokenizer = Tokenizer(lower=True, stopwords=stopwords, stemmer=None)
+    tokenizer = Tokenizer(lower=False, splitter=analyze, stopwords=None, stemmer=None)
     if word_to_id:
         tokenizer.word_to_id = dict(word_to_id)
     return tokenizer
@@ -100,7 +104,7 @@ def build_bm25(
 class Bm25Search:
     """A saved BM25 index, memory-mapped; `search` returns (scores, rows) padded with -1 past the hits."""
 
-    def __init__(self, directory: Path, stopwords: str, *, mmap: bool = True, threads: int | None = None) -> None:
+    def __init__(self, directory: Path, *, mmap: bool = True, threads: int | None = None) -> None:
         import bm25s
 
         for name in INDEX_FILES:
@@ -112,7 +116,7 @@ class Bm25Search:
             raise RetrieverError(f"{directory}: bm25s cannot load it ({e}): a file is truncated or corrupt; "
                                  "rebuild the index") from None
         word_to_id = json.loads((directory / TOKENIZER_VOCAB).read_text())
-        self._tokenizer = new_tokenizer(stopwords, word_to_id)
+        self._tokenizer = new_tokenizer(word_to_id)
         self._empty = word_to_id.get("")
         self.size = int(self._index.scores["num_docs"])
         workers = threads or os.cpu_count() or 1

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from retriever import bm25
+from retriever.analyzer import ANALYZER
 from retriever.corpus import DEFAULT_MAX_PASSAGE_CHARS, sha256_of
 from retriever.encoder import DEFAULT_ENCODER, EncoderSpec, resolve_encoder
 from retriever.errors import RetrieverError
@@ -93,7 +94,7 @@ def _log(cfg: BuildConfig, message: str) -> None:
 def _content_params(cfg: BuildConfig, spec: EncoderSpec | None) -> dict[str, Any]:
     """What the shards depend on: a partial build resumes only under the same values."""
     if spec is None:
-        return {"kind": "bm25", "stopwords": bm25.DEFAULT_STOPWORDS, "shard_size": cfg.shard_size,
+        return {"kind": "bm25", "analyzer": ANALYZER, "shard_size": cfg.shard_size,
                 "max_passage_chars": cfg.max_passage_chars}
     from retriever.encoder import on_gpu, resolve_precision
 
@@ -176,7 +177,7 @@ def build(cfg: BuildConfig) -> Manifest:
             name=spec.name, fingerprint=spec.fingerprint, pooling=spec.pooling, query_prefix=spec.query_prefix,
             passage_prefix=spec.passage_prefix, max_length=spec.max_length, dimension=dimension,
         ) if spec is not None and dimension is not None else None,
-        bm25=None if dense else Bm25Info(k1=cfg.k1, b=cfg.b, method=bm25.DEFAULT_METHOD, stopwords=bm25.DEFAULT_STOPWORDS),
+        bm25=None if dense else Bm25Info(k1=cfg.k1, b=cfg.b, method=bm25.DEFAULT_METHOD, analyzer=ANALYZER),
         corpus=CorpusInfo(
             source=str(cfg.corpus), rows=state.rows, bytes=state.corpus_offset, sha256=state.prefix_sha256 or "",
             skipped_lines=state.counts.get("skipped", 0), max_passage_chars=cfg.max_passage_chars,

@@ -1,8 +1,9 @@
 """`manifest.json`: what an index directory holds, written last by build.py and checked by searcher.py.
 
 It names the index type and its parameters, the encoder (name, fingerprint, pooling, prefixes, max length,
-dimension) or the BM25 tokenizer, the corpus (rows, bytes, sha256; skipped lines, passages cut to the size cap,
-empty contents and duplicate ids) and the format version.
+dimension) or the BM25 parameters and text analysis (analyzer.py's ANALYZER), the corpus (rows, bytes,
+sha256; skipped lines, passages cut to the size cap, empty contents and duplicate ids) and the format
+version.
 A server refuses to start on a directory whose manifest does not match what it would search with.
 """
 
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from retriever.analyzer import ANALYZER
+from retriever.bm25 import DEFAULT_B, DEFAULT_K1
 from retriever.errors import RetrieverError
 
 FORMAT_VERSION = 1
@@ -53,7 +56,7 @@ class Bm25Info(_Strict):
     k1: float
     b: float
     method: str
-    stopwords: str
+    analyzer: str  # how text became terms (analyzer.ANALYZER); queries must be analyzed the same way
 
 
 class Manifest(_Strict):
@@ -91,6 +94,25 @@ def partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def _check_bm25_analyzer(path: Path, data: dict[str, Any]) -> None:
+    """A BM25 index holds the terms of the analysis it was built with: searched with other terms, its
+    queries would silently miss ("flights" looked up as "flight"), so it is refused, with the command
+    that rebuilds it."""
+    info = data.get("bm25")
+    if data.get("index_type") != "bm25" or not isinstance(info, dict) or info.get("analyzer") == ANALYZER:
+        return
+    built = (f"analyzer {info['analyzer']!r}" if "analyzer" in info else
+             "an earlier tokenizer (lowercase words of two or more letters or digits, unstemmed)")
+    corpus = data["corpus"].get("source", "CORPUS") if isinstance(data.get("corpus"), dict) else "CORPUS"
+    options = "".join(f" --{name} {info[name]}" for name, default in (("k1", DEFAULT_K1), ("b", DEFAULT_B))
+                      if info.get(name, default) != default)  # fmt: skip
+    raise RetrieverError(
+        f"{path}: a BM25 index built with {built}; this version searches with analyzer {ANALYZER!r} "
+        "(Lucene's EnglishAnalyzer), whose terms that index does not hold; rebuild the index: "
+        f"agentrl retriever build --corpus {corpus} --index bm25{options} --out {path.parent} --overwrite"
+    )
+
+
 def read_manifest(directory: Path) -> Manifest:
     """Load and check a manifest, with errors that say what the directory is instead."""
     path = directory / MANIFEST_FILE
@@ -107,6 +129,7 @@ def read_manifest(directory: Path) -> Manifest:
     version = data.get("format_version") if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
         raise RetrieverError(f"{path}: format_version {version!r}, this server reads version {FORMAT_VERSION}; rebuild the index")
+    _check_bm25_analyzer(path, data)
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as e:

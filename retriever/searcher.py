@@ -128,8 +128,7 @@ def open_index(
         raise RetrieverError(f"{directory} is a BM25 index; --encoder applies to dense indexes only")
     from retriever.bm25 import BM25_DIR, Bm25Search
 
-    assert manifest.bm25 is not None  # read_manifest guarantees it for bm25 indexes
-    bm25_search = Bm25Search(directory / BM25_DIR, manifest.bm25.stopwords, threads=threads)
+    bm25_search = Bm25Search(directory / BM25_DIR, threads=threads)
     if bm25_search.size != manifest.corpus.rows:
         raise RetrieverError(f"{directory}: the BM25 index holds {bm25_search.size} passages, the manifest says {manifest.corpus.rows}")
     return OpenIndex(directory, manifest, bm25_search, docs, "bm25")

@@ -14,6 +14,7 @@ import faiss
 import numpy as np
 import pytest
 
+from retriever.analyzer import ANALYZER
 from retriever.build import STATE_FILE, BuildConfig, build, partial_dir
 from retriever.docstore import DOCS_FILE, DocStore
 from retriever.errors import RetrieverError
@@ -207,7 +208,7 @@ def test_resume_refuses_other_settings_until_restart(tmp_path):
     out = tmp_path / "idx"
     work = partial_dir(out)
     work.mkdir()
-    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "stopwords": "en", "shard_size": 99,
+    (work / STATE_FILE).write_text(json.dumps({"params": {"kind": "bm25", "analyzer": ANALYZER, "shard_size": 99,
                                                                 "max_passage_chars": 16384}, "rows": 0}))
     with pytest.raises(RetrieverError, match=r"other settings \(shard_size: 99 -> 16384\).*--restart"):
         build_index(corpus, out, "bm25")
@@ -218,7 +219,7 @@ def test_resume_refuses_a_changed_corpus(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", HAND_CORPUS)
     out = tmp_path / "idx"
     first = (json.dumps(HAND_CORPUS[0]) + "\n").encode()
-    state = {"params": {"kind": "bm25", "stopwords": "en", "shard_size": 16384, "max_passage_chars": 16384},
+    state = {"params": {"kind": "bm25", "analyzer": ANALYZER, "shard_size": 16384, "max_passage_chars": 16384},
              "corpus_offset": len(first),
              "corpus_line": 1, "corpus_row": 1, "prefix_sha256": hashlib.sha256(b"x" * len(first)).hexdigest()}  # fmt: skip
     partial_dir(out).mkdir()

@@ -35,7 +35,8 @@ BM25_CORPUS = [
 
 
 def lucene_bm25(query: str, docs: list[str], k1: float = 0.9, b: float = 0.4) -> list[float]:
-    """BM25 as Lucene scores it, written out here (these texts hold no stopwords)."""
+    """BM25 as Lucene scores it, written out here (these texts hold no stop words, no one-letter words, and
+    no two words with one stem, so their words stand for their terms)."""
     toks = [re.findall(r"\w\w+", d.lower()) for d in docs]
     avgdl = sum(map(len, toks)) / len(toks)
     scores = []
