@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from agentrl.task import Task
 
 app = typer.Typer(
     name="agentrl",
@@ -53,25 +56,52 @@ def tasks_validate(
     overrides: SetOption = None,
     load: Annotated[bool, typer.Option(help="Also load the dataset and resolve every row.")] = False,
 ) -> None:
-    """Check task specs: keys, types, reward parameters, budgets, and that local datasets exist."""
+    """Check task specs (keys, types, reward parameters, budgets), then their data: that a local dataset
+    exists, or which command writes it (dataset.made_by), or with --load every row."""
     from agentrl.config import ConfigError
-    from agentrl.task import load_task
+    from agentrl.task import DataNotPrepared, load_task
 
     failed = 0
     for path in files:
+        # Two steps, reported apart: the spec, then its data. A file that dataset.made_by writes may be
+        # missing (a fresh clone has none of them) and the spec is still valid; --load asks for the rows.
         try:
             task = load_task(path, overrides or [])
-            task.check_dataset()
-            rows = f", {len(task.rows())} rows" if load else ""
+        except ConfigError as e:
+            failed += 1
+            typer.echo(f"FAIL {e}", err=True)
+            continue
+        try:
+            data = _dataset_state(task, load)
+        except DataNotPrepared as e:
+            if load:
+                failed += 1
+                typer.echo(f"FAIL {e}", err=True)
+                continue
+            data = f"not there yet: `{e.command}` writes it"
         except ConfigError as e:
             failed += 1
             typer.echo(f"FAIL {e}", err=True)
             continue
         s = task.spec
         tools = f"{s.tools.format} {s.tools.names}" if s.tools.format else "no tools"
-        typer.echo(f"ok   {path}: {s.name}; dataset {s.dataset.path}{rows}; {tools}; reward {s.reward.name}")
+        typer.echo(f"ok   {path}: {s.name}; {tools}; reward {s.reward.name}")
+        typer.echo(f"     dataset {s.dataset.path}: {data}")
     if failed:
         raise typer.Exit(code=1)
+
+
+def _dataset_state(task: Task, load: bool) -> str:
+    """What `tasks validate` can say of a spec's dataset: its rows (--load), or that the file is there, or
+    that a hub dataset is fetched only when read. Raises ConfigError (DataNotPrepared) as Task does."""
+    ds = task.spec.dataset
+    task.check_dataset()
+    if load:
+        return f"{len(task.rows())} rows"
+    if ds.is_local:
+        return "present (--load resolves its rows)"
+    hub = ", ".join(f"{k} {v}" for k, v in (("config", ds.config), ("split", ds.split)) if v)
+    return f"a hub dataset ({hub}), fetched when first read (--load fetches it now)"
 
 
 @tasks_app.command("show")

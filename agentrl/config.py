@@ -246,7 +246,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    # lines end at "\n" only: str.splitlines() also splits at U+0085 and U+2028, which JSON leaves unescaped
+    for n, line in enumerate(path.read_text().split("\n"), 1):
         if line.strip():
             try:
                 out.append(json.loads(line))

@@ -89,7 +89,7 @@ def _complete(path: Path, n: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     by_prompt: dict[str, list[dict[str, Any]]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text().split("\n"):  # not splitlines(): see config.read_jsonl
         if line.strip():
             r = json.loads(line)
             by_prompt.setdefault(str(r["prompt_id"]), []).append(r)

@@ -177,7 +177,7 @@ async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
     t0 = time.perf_counter()
     try:
         return await asyncio.wait_for(tool.call(call), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="timeout",
                           latency_s=time.perf_counter() - t0)
     except Exception as e:  # a tool client should not raise; if it does, the batch still goes on

@@ -10,6 +10,7 @@ limits the dataset; `Task.render()` turns a row into the exact text and token id
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -69,8 +70,22 @@ class Condition(StrictModel):
             return False
 
 
+class MadeBy(StrictModel):
+    """The command that writes a spec's local data files, for files a fresh clone does not have (generated,
+    or downloaded). It speaks for `files` only, so a dataset.path changed by --set or a run config does
+    not inherit it."""
+
+    command: str
+    files: str = Field(description='the file it writes, or a directory ending in "/": every file under it')
+
+    def writes(self, path: str) -> bool:
+        made, asked = os.path.abspath(self.files), os.path.abspath(path)
+        return asked.startswith(made + os.sep) if self.files.endswith("/") else asked == made
+
+
 class DatasetSpec(StrictModel):
     path: str = Field(description="a local .jsonl/.json/.parquet file, or a hub dataset name")
+    made_by: MadeBy | None = None
     config: str | None = None
     split: str = "train"
     fields: Fields = Fields()
@@ -197,6 +212,16 @@ class TaskSpec(StrictModel):
         return self
 
 
+class DataNotPrepared(ConfigError):
+    """A local dataset file that is missing but that the spec's `dataset.made_by` writes: an error for
+    whatever reads the rows, a note for `agentrl tasks validate` (a fresh clone has no such file yet)."""
+
+    def __init__(self, message: str, *, path: str, command: str):
+        super().__init__(message)
+        self.path = path
+        self.command = command
+
+
 @dataclass(frozen=True)
 class Row:
     """A dataset row with its question, ground truth and id resolved by the field mapping."""
@@ -220,12 +245,16 @@ class Task:
     # --- dataset ---------------------------------------------------------------------------------
 
     def check_dataset(self) -> None:
-        """Fail early, naming the path, when a local dataset file is missing."""
+        """Fail early, naming the path, when a local dataset file is missing; `DataNotPrepared`, naming the
+        command that writes it, when `dataset.made_by` says which does."""
         ds = self.spec.dataset
         if ds.is_local and not Path(ds.path).is_file():
-            raise ConfigError(
-                f"{self.source}: dataset.path: no such file {ds.path!r} (relative paths are taken from {Path.cwd()})"
-            )
+            missing = f"{self.source}: dataset.path: no such file {ds.path!r}"
+            where = f"(relative paths are taken from {Path.cwd()})"
+            if ds.made_by is not None and ds.made_by.writes(ds.path):
+                raise DataNotPrepared(f"{missing} yet {where}: `{ds.made_by.command}` writes it",
+                                      path=ds.path, command=ds.made_by.command)
+            raise ConfigError(f"{missing} {where}")
 
     def raw_rows(self) -> list[dict[str, Any]]:
         ds = self.spec.dataset

@@ -66,7 +66,7 @@ async def sample_queue(url: str, stop: asyncio.Event, seen: list[float]) -> None
             seen.append(health["queue_wait_s"]["longest_now"])
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

@@ -131,7 +131,7 @@ class DynamicBatcher:
                 self._arrived.clear()
                 try:  # waiting on an event (not on queue.get) cannot lose an item when it times out
                     await asyncio.wait_for(self._arrived.wait(), remaining)
-                except asyncio.TimeoutError:  # not the builtin before Python 3.11
+                except TimeoutError:  # not the builtin before Python 3.11
                     break
                 continue
             item = self._queue.get_nowait()

@@ -146,7 +146,7 @@ class DockerBackend:
         self.waiting += 1
         try:
             await asyncio.wait_for(self.slots.acquire(), self.settings.queue_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Overloaded("no container slot became free in time") from None
         finally:
             self.waiting -= 1

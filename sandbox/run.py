@@ -228,7 +228,7 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
     except asyncio.CancelledError:
         worker.control({"op": "kill", "id": run_id})  # the client left: end the run now
         raise
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await worker.stop()  # a zygote that cannot report is broken: the pool replaces it
         return Outcome("Error", message="the sandbox worker stopped responding; it was restarted")
     except ZygoteDied as e:
@@ -248,7 +248,7 @@ async def _streams_closed(out: OutputCapture, err: OutputCapture) -> None:
         if not capture.done.done():
             try:
                 await asyncio.wait_for(asyncio.shield(capture.done), GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
 

@@ -254,5 +254,5 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any
 async def _exit_report(session: Session) -> dict[str, Any]:
     try:
         return await asyncio.wait_for(asyncio.shield(session.exited), INTERRUPT_GRACE_S * 2)
-    except (ZygoteDied, asyncio.TimeoutError):
+    except (TimeoutError, ZygoteDied):
         return {}

@@ -120,6 +120,15 @@ def test_prepare_writes_everything_once(tmp_path):
                  "tokenizer/tokenizer.json"):
         assert (out / name).is_file(), name
     assert len((out / "code/traces.jsonl").read_text().splitlines()) == 300
+    # The quickstart specs' made_by (a fresh clone's validate passes on it) is the command that wrote these
+    from agentrl.task import load_task
+
+    for task in ("tasks/quickstart_code.yaml", "tasks/quickstart_search.yaml"):
+        ds = load_task(task).spec.dataset
+        assert ds.made_by.command == "python -m agentrl.quickstart prepare runs/quickstart", task
+        for split in ("train", "test"):
+            relative = ds.path.replace("/train.", f"/{split}.")
+            assert ds.made_by.writes(relative) and (out / relative.removeprefix("runs/quickstart/")).is_file()
     assert len((out / "search/corpus.jsonl").read_text().splitlines()) == 200
     with pytest.raises(FileExistsError, match="exists"):
         prepare_to(out, progress=False)

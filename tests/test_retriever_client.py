@@ -228,7 +228,7 @@ def test_timeout_becomes_an_error_result():
     async def hang():
         try:
             await asyncio.wait_for(never.wait(), timeout=1)  # far past the client timeout; bounded for shutdown
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return {"result": [[]]}
 

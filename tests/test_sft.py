@@ -41,6 +41,21 @@ def test_a_trainer_dump_becomes_masked_trajectories(tmp_path, tok):
     assert t.loss_mask == [1] * len(enc(CODE)) + [0] * len(enc(OUTPUT)) + [1] * len(enc(ANSWER))
 
 
+def test_text_with_unicode_line_separators_stays_on_its_line(tmp_path, tok):
+    """A model's text may hold U+2028, U+0085 or U+001E, which JSON (ensure_ascii off, as the trainer writes
+    its samples) leaves raw: a line of the file ends at "\n" only, so each row is read whole, by sft as by
+    the run dir's readers (config.read_jsonl)."""
+    from agentrl.config import read_jsonl, write_jsonl
+
+    row = dump_row(0)
+    row["segments"][0]["text"] = CODE + "\u2028 x\x85 y\u2029"
+    path = write_jsonl(tmp_path / "d.jsonl", [row, dump_row(1)])
+    assert "\u2028" in path.read_text() and len(path.read_text().splitlines()) > 2  # raw in the file
+    assert read_jsonl(path) == [row, dump_row(1)]
+    [first, second] = read_trajectories(path, tok)
+    assert tok.decode(first.segments[0].token_ids) == row["segments"][0]["text"] and second.prompt.id == "q1"
+
+
 def test_chat_messages_split_at_message_boundaries(tmp_path, tok):
     messages = [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": CODE},
                 {"role": "tool", "content": "5"}, {"role": "assistant", "content": "\\boxed{5}"}]

@@ -240,3 +240,87 @@ def test_cli_validate_reports_bad_spec(tmp_path):
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 1
     assert "unknown key 'budgets.max_turnz'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def _validate_in(cwd, *args):
+    """`agentrl tasks validate` run in `cwd`, with this checkout's code (whatever the venv's install points at)."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", "tasks", "validate", *args],
+                          capture_output=True, text=True, cwd=cwd, env=env)
+
+
+@pytest.fixture
+def fresh_clone(tmp_path):
+    """The shipped task specs in a directory without runs/: a fresh clone before `make demo`."""
+    (tmp_path / "tasks").mkdir()
+    for spec in (REPO / "tasks").glob("*.yaml"):
+        (tmp_path / "tasks" / spec.name).write_text(spec.read_text())
+    return tmp_path
+
+
+def test_cli_validate_on_a_fresh_clone_says_where_the_data_comes_from(fresh_clone):
+    """The README's first command before the quickstart wrote its data: every shipped spec validates, and
+    those whose file is not there yet name it and the command that writes it."""
+    specs = sorted(f"tasks/{p.name}" for p in (fresh_clone / "tasks").glob("*.yaml"))
+    assert "tasks/quickstart_code.yaml" in specs and "tasks/quickstart_search.yaml" in specs
+    out = _validate_in(fresh_clone, *specs)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "" and out.stdout.count("ok ") == len(specs)
+    for data in ("runs/quickstart/code/train.jsonl", "runs/quickstart/search/train.jsonl"):
+        (line,) = [ln for ln in out.stdout.splitlines() if f"dataset {data}: not there yet" in ln]
+        assert line.endswith("`python -m agentrl.quickstart prepare runs/quickstart` writes it")
+    assert not (fresh_clone / "runs").exists()  # validating writes nothing
+
+    # the held-out split (make demo's eval) is the same command's; --load asks for the rows themselves,
+    # which are not there: a failure, naming the command all the same
+    loaded = _validate_in(fresh_clone, "tasks/quickstart_code.yaml", "--load",
+                          "--set", "dataset.path=runs/quickstart/code/test.jsonl")
+    assert loaded.returncode == 1 and "Traceback" not in loaded.stderr
+    assert "no such file 'runs/quickstart/code/test.jsonl' yet" in loaded.stderr
+    assert "`python -m agentrl.quickstart prepare runs/quickstart` writes it" in loaded.stderr
+
+
+def test_cli_validate_on_a_fresh_clone_still_fails_broken_specs_and_missing_data(fresh_clone):
+    spec = (fresh_clone / "tasks" / "quickstart_code.yaml").read_text()
+    (fresh_clone / "tasks" / "bad_budgets.yaml").write_text(spec.replace("max_turns: 2", "max_turns: 1"))
+    (fresh_clone / "tasks" / "bad_yaml.yaml").write_text(spec.replace("name: quickstart_code", "name: [quickstart"))
+    cases = [
+        (["tasks/bad_budgets.yaml"], "tasks/bad_budgets.yaml: budgets.max_turns (1) must exceed max_tool_calls (1)"),
+        (["tasks/bad_yaml.yaml"], "tasks/bad_yaml.yaml: invalid YAML (line"),
+        (["tasks/quickstart_code.yaml", "--set", "budgets.max_turnz=3"], "unknown key 'budgets.max_turnz'"),
+        (["tasks/quickstart_code.yaml", "--set", "dataset.made_by.comand=x"], "unknown key 'dataset.made_by.comand'"),
+        # a file made_by does not write is the user's own: missing, it is an error
+        (["tasks/quickstart_code.yaml", "--set", "dataset.path=data/mine.jsonl"], "no such file 'data/mine.jsonl' (relative"),
+        (["tasks/quickstart_code.yaml", "--set", "dataset.path=runs/quickstart_2/code/train.jsonl"], "no such file"),
+    ]
+    for args, message in cases:
+        out = _validate_in(fresh_clone, *args)
+        assert out.returncode == 1, (args, out.stdout)
+        assert message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "writes it" not in out.stderr
+
+
+def test_made_by_speaks_for_its_own_files_only(tmp_path, monkeypatch):
+    """The hint where the rows are read (train, sft, eval, tasks show / check) too, and never for a path
+    that --set or a run config changed to one made_by does not write."""
+    from agentrl.task import DataNotPrepared
+
+    monkeypatch.chdir(tmp_path)
+    made = ["dataset.made_by={command: make data, files: data/made/}"]
+    with pytest.raises(DataNotPrepared, match=r"no such file 'data/made/a\.jsonl' yet .*: `make data` writes it"):
+        load_task(TORL, ["dataset.path=data/made/a.jsonl", *made]).rows()
+    with pytest.raises(DataNotPrepared, match="`make data` writes it"):
+        load_task(TORL, [f"dataset.path={tmp_path}/data/made/sub/b.jsonl", *made]).check_dataset()
+    for path in ("data/mad/a.jsonl", "data/made.jsonl", "elsewhere/data/made/a.jsonl"):
+        with pytest.raises(ConfigError, match="no such file") as e:
+            load_task(TORL, [f"dataset.path={path}", *made]).check_dataset()
+        assert not isinstance(e.value, DataNotPrepared) and "make data" not in str(e.value), path
+    one = ["dataset.made_by={command: make one, files: data/one.jsonl}"]
+    with pytest.raises(DataNotPrepared):
+        load_task(TORL, ["dataset.path=./data/one.jsonl", *one]).check_dataset()
+    with pytest.raises(ConfigError, match="no such file 'data/one.jsonl.gz.jsonl'") as e:
+        load_task(TORL, ["dataset.path=data/one.jsonl.gz.jsonl", *one]).check_dataset()
+    assert not isinstance(e.value, DataNotPrepared)

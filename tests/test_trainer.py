@@ -89,6 +89,11 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     prompts, metrics = _step_records(whole, 3)
     prompts_resumed, metrics_resumed = _step_records(resumed, 3)
     assert prompts == prompts_resumed
+    # the same samples, token for token: the HF engine seeds every request by run, step, prompt, sample, turn
+    def sampled(run: Path) -> list[dict]:  # all but the wall-clock timings
+        return [{k: v for k, v in row.items() if k != "timings"} for row in read_jsonl(run / "samples/step_3.jsonl")]
+
+    assert sampled(whole) and sampled(whole) == sampled(resumed)
     assert metrics_resumed["actor/loss"] == pytest.approx(metrics["actor/loss"], rel=1e-5, abs=1e-7)
     assert metrics_resumed["actor/loss"] != 0.0
     assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
