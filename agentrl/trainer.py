@@ -13,9 +13,9 @@ Rollout produces scored groups and the learner consumes them (`Learner.learn`). 
 `_train_async`) rollout keeps producing while the learner trains, at most `max_staleness + 1` steps of
 groups ahead, on the engine behind engine/versioned.py, which tags every token with the policy version that
 sampled it and lets weight updates in between two engine requests; a group whose oldest token is more than
-`max_staleness` versions behind the learner is dropped. A synchronous run resumes from its run directory's
-latest checkpoint with the same data order and the same sampling seeds, so it continues as an uninterrupted
-run would have.
+`max_staleness` versions behind the learner is dropped. A run resumes from its run directory's latest
+checkpoint with the same data order and the same sampling seeds; on the HF engine a synchronous run then
+samples what the uninterrupted run would have (README: where vLLM differs).
 """
 
 from __future__ import annotations

@@ -45,9 +45,11 @@ def trajectories(n: int, seed: int = 0, group_size: int = 2, max_prompt: int = 1
     return out
 
 
-def padded_logprobs(lm, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_logprobs(lm, trajs: list[Trajectory], temperature: float = 1.0,
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain HF forward on right-padded rows with an attention mask -> (logprobs_BR, entropy_BR) of the
-    response tokens, the reference the packed path must match."""
+    response tokens under softmax(logits / temperature) in `dtype`, the reference the packed path must
+    match (differentiable in the model's parameters)."""
     seqs = [list(t.prompt.token_ids) + t.response_ids for t in trajs]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -55,11 +57,11 @@ def padded_logprobs(lm, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Te
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = torch.tensor(s)
         attn[b, : len(s)] = 1
-    logits = lm(input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device)).logits.float().cpu()
-    logp = torch.log_softmax(logits, -1)
+    logits = lm(input_ids=ids.to(lm.device), attention_mask=attn.to(lm.device)).logits.to(dtype).cpu()
+    logp = torch.log_softmax(logits / temperature, -1)
     resp = max(len(t.response_ids) for t in trajs)
-    lp_BR = torch.zeros(len(trajs), resp)
-    ent_BR = torch.zeros(len(trajs), resp)
+    lp_BR = torch.zeros(len(trajs), resp, dtype=dtype)
+    ent_BR = torch.zeros(len(trajs), resp, dtype=dtype)
     for b, t in enumerate(trajs):
         p, r = len(t.prompt.token_ids), len(t.response_ids)
         rows = logp[b, p - 1 : p - 1 + r]

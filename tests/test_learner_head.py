@@ -17,7 +17,7 @@ from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack
 from agentrl.learner.policy import PolicyModule, PolicyWorker
-from tests.learner_util import tiny_lm, trajectories
+from tests.learner_util import padded_logprobs, tiny_lm, trajectories
 
 VOCAB = 128
 TEMPERATURE = 0.7
@@ -55,24 +55,10 @@ def _family_lm(family: str, seed: int = 0) -> nn.Module:
 def _hf_reference(lm: nn.Module, trajs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's own forward on right-padded rows: (logprobs_BR, entropy_BR, valid_BR) of the response
     tokens under softmax(logits / TEMPERATURE), differentiable in the model's parameters."""
-    seqs = [list(t.prompt.token_ids) + t.response_ids for t in trajs]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        attn[b, : len(s)] = 1
-    logp = torch.log_softmax(lm(input_ids=ids, attention_mask=attn).logits.double() / TEMPERATURE, -1)
-    resp = max(len(t.response_ids) for t in trajs)
-    lp = torch.zeros(len(trajs), resp, dtype=torch.float64)
-    ent = torch.zeros(len(trajs), resp, dtype=torch.float64)
-    valid = torch.zeros(len(trajs), resp, dtype=torch.bool)
+    lp, ent = padded_logprobs(lm, trajs, TEMPERATURE, torch.float64)
+    valid = torch.zeros(lp.shape, dtype=torch.bool)
     for b, t in enumerate(trajs):
-        p, r = len(t.prompt.token_ids), len(t.response_ids)
-        rows = logp[b, p - 1 : p - 1 + r]
-        lp[b, :r] = rows.gather(1, torch.tensor(t.response_ids)[:, None]).squeeze(1)
-        ent[b, :r] = -(rows.exp() * rows).sum(-1)
-        valid[b, :r] = True
+        valid[b, : len(t.response_ids)] = True
     return lp, ent, valid
 
 

@@ -25,18 +25,22 @@ def _reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torc
     return logp.gather(1, y[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
 
 
+def _inputs(seed: int, with_bias: bool):
+    """Hidden states [37, 16], a head [50, 16] (and bias), targets, and upstream gradients of the outputs."""
+    torch.manual_seed(seed)
+    T, H, V = 37, 16, 50
+    h = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    b = torch.randn(V, requires_grad=True) if with_bias else None
+    return h, w, b, torch.randint(0, V, (T,)), torch.randn(T), torch.randn(T)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 37, 100])
 @pytest.mark.parametrize("with_bias,temp,keep,compiled", [(False, 1.0, False, False), (True, 0.7, False, False),
                                                           (True, 0.7, True, False), (True, 0.7, False, True)])
 def test_values_and_gradients_match_full_softmax(chunk: int, with_bias: bool, temp: float, keep: bool,
                                                  compiled: bool) -> None:
-    torch.manual_seed(chunk)
-    T, H, V = 37, 16, 50
-    h = torch.randn(T, H, requires_grad=True)
-    w = torch.randn(V, H, requires_grad=True)
-    b = torch.randn(V, requires_grad=True) if with_bias else None
-    y = torch.randint(0, V, (T,))
-    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    h, w, b, y, g_lp, g_ent = _inputs(chunk, with_bias)
     inputs = [h, w] + ([b] if b is not None else [])
     lp, ent = token_logprobs(h, w, y, chunk, temp, b, compiled=compiled, keep_logits=keep)
     lp_ref, ent_ref = _reference(h, w, b, y, temp)
@@ -62,13 +66,7 @@ def test_transformed_logits_match_full_softmax(chunk: int, transform: LogitTrans
                                                compiled: bool) -> None:
     """A model's post-head transform (scale, softcap) inside the chunks: logprobs, entropies and gradients
     of softmax(transform(logits) / T), on logits spread wide enough for the softcap to bend them."""
-    torch.manual_seed(chunk)
-    T, H, V = 37, 16, 50
-    h = torch.randn(T, H, requires_grad=True)
-    w = torch.randn(V, H, requires_grad=True)
-    b = torch.randn(V, requires_grad=True) if with_bias else None
-    y = torch.randint(0, V, (T,))
-    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    h, w, b, y, g_lp, g_ent = _inputs(chunk, with_bias)
     inputs = [h, w] + ([b] if b is not None else [])
     lp, ent = token_logprobs(h, w, y, chunk, 0.7, b, compiled=compiled, keep_logits=keep, transform=transform)
     lp_ref, ent_ref = _reference(h, w, b, y, 0.7, transform)

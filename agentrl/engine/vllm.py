@@ -33,7 +33,7 @@ async multi-turn loop keeps close to plain generation's throughput where one eng
 
 Per-request seeds are off by default: vLLM samples seeded requests one generator at a time, a cost the
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
-fixes the run. `use_request_seeds=True` honours `Sampling.seed`. `sleep()` / `wake()` free and restore GPU memory when
+fixes the run. `use_request_seeds=True` (a run's `engine.request_seeds`) honours `Sampling.seed`. `sleep()` / `wake()` free and restore GPU memory when
 training shares the GPUs. Needs `pip install agentrl[gpu]`.
 """
 
