@@ -11,16 +11,20 @@ keep-alive client, one query per request) at concurrency 1 and 16 in alternation
 median latency p50/p99 and QPS. The figure of merit is the QPS ratio at concurrency 16. Prints tables; `--json PATH` also writes the numbers. With `--workdir DIR`, a later run
 reuses the corpus and indexes there (and the build figures measured when they were built).
 
-Two other measurements, each on its own (they skip the above):
+Three other measurements, each on its own (they skip the above):
 
     python bench/bench_retriever.py --grpo --passages 5000   # Search-R1's GRPO batch: 2,560 queries at once
     python bench/bench_retriever.py --huge-line-mb 50        # a corpus with one 50 MB line: the size cap
+    python bench/bench_retriever.py --analyzer               # BM25's Lucene analysis against a plain split
 
 `--grpo` times one request of 2,560 queries (512 prompts x 5 samples) against each index, against the same
 queries sent as one-query requests at concurrency 16, and the batch-invariant query encoder against
 padding each batch to its longest query (the encoder alone). `--huge-line-mb` builds a small Flat index
 whose corpus holds one huge line, with the default per-passage cap and without one (a cap past the
-line's length), each build in its own process: wall time and peak memory.
+line's length), each build in its own process: wall time and peak memory. `--analyzer` times BM25's text
+analysis (retriever/analyzer.py: Lucene's EnglishAnalyzer) on the synthetic passages and queries against
+bm25s's own tokenizer with English stop words and no stemmer (what BM25 indexes used before), in
+alternating rounds: terms per second, its first pass (every word stemmed once) and warm passes apart.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -311,6 +316,35 @@ def huge_line(work: Path, megabytes: int, threads: int | None, console: Console)
     console.print(f"without the cap / with it: {whole_s / capped_s:.1f}x the time, {whole_mb / capped_mb:.1f}x the memory")
 
 
+def analyzer_cost(n: int, rounds: int, console: Console) -> None:
+    import bm25s
+
+    from retriever.analyzer import analyze
+
+    corpus = SyntheticCorpus(n)
+    texts = [p["contents"] for p in corpus.passages()] + corpus.queries(2000)
+
+    def lucene() -> float:
+        started = time.perf_counter()
+        terms = sum(len(analyze(t)) for t in texts)
+        return terms / (time.perf_counter() - started)
+
+    def plain() -> float:  # bm25s's tokenizer as BM25 indexes used it before: lowercase, its split, stop words
+        started = time.perf_counter()
+        ids = bm25s.tokenize(texts, stopwords="en", show_progress=False, return_ids=True)
+        return sum(len(d) for d in ids.ids) / (time.perf_counter() - started)
+
+    first = lucene()  # a cold cache: every new word is analysed and stemmed once
+    ours, base = _alternate(lucene, plain, rounds)
+    t = Table(title=f"BM25 text analysis, {len(texts)} texts ({n} passages + 2,000 queries), terms/s")
+    for col in ("analysis", "first pass", f"warm (median of {rounds})", "vs bm25s's split"):
+        t.add_column(col, justify="right")
+    t.add_row("Lucene English (analyzer.py)", f"{first:,.0f}", f"{statistics.median(ours):,.0f}",
+              f"{statistics.median(ours) / statistics.median(base):.2f}x")
+    t.add_row("bm25s, stop words, no stemmer", "", f"{statistics.median(base):,.0f}", "1.00x")
+    console.print(t)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--passages", type=int, default=100_000)
@@ -321,6 +355,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument("--grpo", action="store_true", help="only time 2,560 queries in one request (see above)")
     parser.add_argument("--huge-line-mb", type=int, default=0, help="only time builds with a line this large")
+    parser.add_argument("--analyzer", action="store_true", help="only time BM25's text analysis (see above)")
     args = parser.parse_args()
     console = Console(highlight=False)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-retriever-"))
@@ -328,6 +363,8 @@ def main() -> None:
     cpus = os.cpu_count()
     if args.huge_line_mb:
         return huge_line(work, args.huge_line_mb, args.threads, console)
+    if args.analyzer:
+        return analyzer_cost(args.passages, args.rounds, console)
     built = build_indexes(work, args.passages, args.threads, console)
     queries = built.pop("queries")
     if args.grpo:
