@@ -6,6 +6,7 @@ The flow, one module per step:
   encoder.py   resolve an encoder (name or path, pooling, e5/bge prefixes); DenseEncoder (torch, imported lazily)
   ingest.py    corpus -> shards of embeddings or token ids, committed one by one (resumable), rows counted
   build.py     shards -> index -> manifest; atomic rename at the end
+  outdir.py    the build's lock on its --out (one build at a time), and what --overwrite may replace
   faiss_index.py / bm25.py   the two index families behind one `search(queries, k)` shape
   analyzer.py  BM25's terms of a passage or query: Lucene's EnglishAnalyzer, as Search-R1's pyserini index
   ranking.py   best score first, ties in corpus order, the same whatever the batch

@@ -10,6 +10,11 @@ to the size cap, empty contents and duplicate ids, which the build also reports.
 after its manifest checks that the corpus is still the one it read before it publishes. Memory stays
 bounded by a shard plus the index itself. reindex.py rebuilds another dense index type from a finished
 directory without re-encoding.
+
+Builds into one OUT are exclusive: each holds outdir.build_lock(OUT) from before it looks at OUT or
+OUT.partial until it has published, and a second one stops at once naming the first. `--overwrite`
+replaces only an index directory (outdir.check_replaceable), checked before the corpus is read and again
+before the old index is set aside.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from retriever.manifest import (
     read_manifest,
     write_manifest,
 )
+from retriever.outdir import build_lock, check_replaceable
 
 
 @dataclass(frozen=True)
@@ -135,14 +141,23 @@ def build(cfg: BuildConfig) -> Manifest:
     """Build the index `cfg` describes into `cfg.out` (see the module docstring for the guarantees)."""
     if cfg.index_type not in (*DENSE_TYPES, "bm25"):
         raise RetrieverError(f"--index {cfg.index_type!r}: expected flat, hnsw, ivfpq or bm25")
-    if cfg.out.exists() and not cfg.overwrite:
-        raise RetrieverError(f"{cfg.out} already exists; pass --overwrite to replace it")
     if not cfg.corpus.exists():
         raise RetrieverError(f"corpus {cfg.corpus}: no such file")
     if cfg.shard_size < 1:
         raise RetrieverError("--shard-size must be at least 1")
     if cfg.max_passage_chars < 1:
         raise RetrieverError(f"--max-passage-chars must be at least 1, got {cfg.max_passage_chars}")
+    # Held before anything in OUT or OUT.partial is looked at: another build of the same OUT stops here,
+    # before its --restart or --overwrite could delete what the running one writes.
+    with build_lock(cfg.out):
+        if cfg.out.exists():
+            if not cfg.overwrite:
+                raise RetrieverError(f"{cfg.out} already exists; pass --overwrite to replace it")
+            check_replaceable(cfg.out, cfg.corpus)  # refused before the corpus is read, not after
+        return _build_locked(cfg)
+
+
+def _build_locked(cfg: BuildConfig) -> Manifest:
     dense = cfg.index_type in DENSE_TYPES
     spec = (
         resolve_encoder(
@@ -277,13 +292,15 @@ def _check_corpus_unchanged(corpus: Path, built: CorpusInfo, work: Path) -> None
 
 
 def publish(work: Path, out: Path, overwrite: bool) -> None:
-    """Rename a finished `work` directory to `out` (replacing an old `out` only when asked)."""
+    """Rename a finished `work` directory to `out` (replacing an old `out` only when asked, and only an index
+    directory: outdir.check_replaceable). The caller holds outdir.build_lock(out)."""
     for stale in out.parent.glob(f".{out.name}.old-*"):  # an old index a killed --overwrite left aside
         shutil.rmtree(stale, ignore_errors=True)
     old = None
     if out.exists():
         if not overwrite:
             raise RetrieverError(f"{out} already exists; pass --overwrite to replace it")
+        check_replaceable(out)  # checked again: files may have been put there while the build ran
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
     os.rename(work, out)

@@ -58,7 +58,8 @@ def build(
     max_passage_chars: Annotated[int, Opt(help="Cut each string field of a row to this many characters "
                                           "(counted in the manifest).")] = DEFAULT_MAX_PASSAGE_CHARS,
     restart: Annotated[bool, Opt(help="Discard an interrupted build instead of resuming it.")] = False,
-    overwrite: Annotated[bool, Opt(help="Replace --out if it exists.")] = False,
+    overwrite: Annotated[bool, Opt(help="Replace --out if it exists and is an index directory (a manifest and "
+                                        "the files a build writes; anything else is refused).")] = False,
     keep_embeddings: Annotated[bool, Opt(help="Keep the embedding shards in OUT/embeddings.")] = False,
     gpu: Annotated[bool, Opt(help="Use faiss-gpu when GPUs are present.")] = True,
     threads: Annotated[OptInt, Opt(help="CPU threads for torch and faiss (default: all cores).")] = None,

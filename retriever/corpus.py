@@ -5,7 +5,10 @@ of every line (a resumed build restarts at a byte offset, and errors name the li
 as it goes (the manifest records the corpus checksum). Each row is kept whole, every field of it (`title`,
 `text`, ... where the corpus has them), as Search-R1's dense server returns its rows; every string field
 is cut to `max_chars` characters (the per-passage cap), and the passage says whether it was cut and
-whether its `contents` is empty. ingest.py drives it; nothing here holds the corpus.
+whether its `contents` is empty. A line is read only up to a bound derived from the cap (max_line_bytes):
+a longer one, and one nested too deeply for the JSON parser, is a bad line like any other (named, or
+skipped and counted with --skip-bad), so no line costs more memory than the bound. ingest.py drives it;
+nothing here holds the corpus.
 """
 
 from __future__ import annotations
@@ -22,6 +25,19 @@ from retriever.errors import RetrieverError
 
 _HASH_BLOCK = 1 << 24
 DEFAULT_MAX_PASSAGE_CHARS = 16384  # far past what a 512-token encoder reads of real text; bounds a huge line's cost
+# The bound on a line's length, in bytes: 64 per character of the cap, plus 64 KiB. A row at the cap can
+# hold several fields at it (`contents`, `text`, `title`), each up to 6 bytes a character once JSON-escaped
+# (`\u00e9`), beside its id and keys; a field somewhat over the cap is still read, and cut. Past the bound a
+# line is a bad line: what has no newline for that long (a blob, a device, a pipe of something else) is
+# refused before it fills memory. 1.06 MiB for the default cap.
+_LINE_BYTES_PER_CHAR = 64
+_LINE_OVERHEAD_BYTES = 64 << 10
+_SKIP_BLOCK = 64 << 10  # a bad line too long to keep is skipped (and hashed) in reads of this size
+
+
+def max_line_bytes(max_chars: int) -> int:
+    """The longest corpus line read, in bytes (newline included), for a cap of `max_chars` characters."""
+    return _LINE_BYTES_PER_CHAR * max_chars + _LINE_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,9 @@ def parse_line(raw: bytes, line_no: int, row: int, max_chars: int = DEFAULT_MAX_
         obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RetrieverError(f"corpus line {line_no}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    except RecursionError:  # the parser recurses once per level of [ or {: a row is never that deep
+        raise RetrieverError(f"corpus line {line_no}: nested too deeply for the JSON parser (arrays or objects "
+                             'inside each other); expected a flat {"id": ..., "contents": "..."} object') from None
     except ValueError as e:  # NaN / Infinity: no JSON answer could carry them back to a client
         raise RetrieverError(f"corpus line {line_no}: {e}") from None
     if not isinstance(obj, dict):
@@ -87,6 +106,9 @@ def parse_line(raw: bytes, line_no: int, row: int, max_chars: int = DEFAULT_MAX_
     except UnicodeEncodeError as e:
         raise RetrieverError(f"corpus line {line_no}: a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}) that "
                              "UTF-8 cannot encode") from None
+    except RecursionError:  # parsed just under the limit, too deep to write back
+        raise RetrieverError(f"corpus line {line_no}: nested too deeply to store (arrays or objects inside each "
+                             'other); expected a flat {"id": ..., "contents": "..."} object') from None
     return passage
 
 
@@ -154,16 +176,30 @@ class CorpusReader:
         """The hash of every byte read so far (the whole corpus, once the reader is exhausted)."""
         return self._hash.hexdigest()
 
+    def _read(self, limit: int) -> bytes:
+        raw = self._stream.readline(limit)
+        self._hash.update(raw)
+        self.offset += len(raw)
+        return raw
+
     def __iter__(self) -> Iterator[CorpusLine]:
-        for raw in self._stream:
-            self._hash.update(raw)
-            self.offset += len(raw)
+        bound = max_line_bytes(self._max_chars)
+        while raw := self._read(bound + 1):  # never more than the bound in memory, newline or not
             self.line_no += 1
             if not raw.strip():
                 continue  # blank lines (a trailing newline, a separator) carry no passage
             try:
+                if len(raw) > bound:
+                    raise RetrieverError(
+                        f"corpus line {self.line_no}: longer than {bound:,} bytes, the bound on a line (64 bytes a "
+                        f"character of --max-passage-chars {self._max_chars}, plus 64 KiB); expected one JSON object "
+                        "a line (is the corpus JSONL, with newlines?)"
+                    )
                 passage = parse_line(raw, self.line_no, self.row, self._max_chars)
             except RetrieverError as e:
+                if not raw.endswith(b"\n") and self._skip_bad:
+                    while (rest := self._read(_SKIP_BLOCK)) and not rest.endswith(b"\n"):
+                        pass  # the rest of a line too long to keep: read (and hashed) in bounded pieces
                 if not self._skip_bad:
                     raise RetrieverError(f"{e} (pass --skip-bad to skip and count such lines)") from None
                 yield CorpusLine(None, str(e))

@@ -22,6 +22,7 @@ from retriever.docstore import DOCS_FILE, OFFSETS_FILE
 from retriever.errors import RetrieverError
 from retriever.ingest import EMBEDDINGS_DIR, sample_rows, shard_reader, shard_sampler
 from retriever.manifest import DENSE_TYPES, Manifest, read_manifest, write_manifest
+from retriever.outdir import build_lock, check_replaceable
 
 _CHUNK = 65536
 
@@ -63,14 +64,26 @@ def reindex(
     overwrite: bool = False,
     threads: int | None = None,
 ) -> Manifest:
-    from retriever.faiss_index import INDEX_FILE, build_faiss, resolve_params, set_threads, write_faiss
+    from retriever.faiss_index import set_threads
 
     set_threads(threads)
     manifest = read_manifest(src)
     if not manifest.is_dense or index_type not in DENSE_TYPES:
         raise RetrieverError(f"--from-index rebuilds dense indexes only ({src} is {manifest.index_type}, asked for {index_type})")
-    if out.exists() and not overwrite:
-        raise RetrieverError(f"{out} already exists; pass --overwrite to replace it")
+    with build_lock(out):  # exclusive with any other build into `out` (outdir.py)
+        if out.exists():
+            if not overwrite:
+                raise RetrieverError(f"{out} already exists; pass --overwrite to replace it")
+            check_replaceable(out)
+        return _reindex_locked(src, out, manifest, index_type, index_params, use_gpu=use_gpu, overwrite=overwrite)
+
+
+def _reindex_locked(
+    src: Path, out: Path, manifest: Manifest, index_type: str, index_params: dict[str, Any], *, use_gpu: bool,
+    overwrite: bool,
+) -> Manifest:
+    from retriever.faiss_index import INDEX_FILE, build_faiss, resolve_params, write_faiss
+
     assert manifest.dimension is not None  # read_manifest guarantees it for dense indexes
     started = time.time()
     work = partial_dir(out)

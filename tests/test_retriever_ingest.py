@@ -40,10 +40,11 @@ def test_documents_carry_every_field_of_the_row(tmp_path):
 
 
 def test_a_passage_over_the_cap_is_cut_encoded_as_cut_counted_and_reported(tmp_path_factory, tmp_path, capsys):
-    """A huge line (1 MB here, with a cap of 100 characters) is served and encoded cut to the cap, each of
-    its string fields; the rows under the cap are kept whole."""
+    """A huge line (60 kB here, with a cap of 100 characters: under the line bound of 64 bytes a character
+    plus 64 KiB, corpus.max_line_bytes) is served and encoded cut to the cap, each of its string fields; the
+    rows under the cap are kept whole."""
     tiny_encoder = make_tiny_encoder(tmp_path_factory)
-    huge = {"id": "huge", "contents": '"Paris"\nParis is the capital and largest city of France. ' * 20_000,
+    huge = {"id": "huge", "contents": '"Paris"\nParis is the capital and largest city of France. ' * 1_000,
             "text": "x" * 150}
     corpus = write_jsonl(tmp_path / "c.jsonl", [HAND_CORPUS[0], huge, HAND_CORPUS[2]])
     manifest = build_index(corpus, tmp_path / "idx", "flat", encoder=str(tiny_encoder), max_passage_chars=100,
