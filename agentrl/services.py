@@ -63,7 +63,10 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", self.module, "serve", "--host", self.host, "--port", str(self.port),
                    *self.args]
-        with open(self.log_path, "ab") as log:
+        # Owner-only: a service's log holds what its clients sent (code, tokens in errors).
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # a log left by an older run keeps its mode otherwise
+        with open(fd, "ab") as log:
             log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -17,7 +17,7 @@ from sandbox.pool import WorkerPool
 from sandbox.run import Job, Outcome
 from sandbox.sessions import SessionManager
 from sandbox.settings import Settings
-from sandbox.worker import become_subreaper, claim_uid_block
+from sandbox.worker import CAP_SYS_RESOURCE, become_subreaper, claim_uid_block, holds_capability
 
 
 class Backend(Protocol):
@@ -78,7 +78,12 @@ class NamespaceBackend:
                 "cgroups": self.cgroup_note,
                 "memory": "real memory of a run's processes and /tmp files (cgroup)" if self.cgroups else
                           "address space per process (RLIMIT_AS)",
-                "seccomp": "keyring and kernel-log calls denied (ENOSYS)",
+                "seccomp": "keyring, kernel-log, inotify/fanotify and io_uring calls denied (ENOSYS); "
+                           "sockets only AF_UNIX, AF_INET, AF_INET6, route netlink (else EAFNOSUPPORT)",
+                "oom_priority": "1000, a floor no program can lower (the server holds CAP_SYS_RESOURCE)"
+                                if holds_capability(CAP_SYS_RESOURCE) else
+                                "1000 at start; a program may lower it to the server's own (the server lacks "
+                                "CAP_SYS_RESOURCE)",
             },
         }
 

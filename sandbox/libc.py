@@ -2,9 +2,9 @@
 
 Python 3.11 has no `os.unshare`, `os.setns`, `mount` or `pivot_root`; rootfs.py (the zygote's filesystem
 view), zygote.py (the fork server), supervisor.py (a run's PID 1) and program.py (the run's program)
-call them through this module, as well as the seccomp filter, the session keyring and the loopback
-interface. Every wrapper raises OSError with the errno and the call's arguments, so a failure names
-what failed.
+call them through this module, as well as the seccomp filter, the session keyring, the loopback
+interface and openat2 (the supervisor's fetch of a run's files, which must not follow links out of it).
+Every wrapper raises OSError with the errno and the call's arguments, so a failure names what failed.
 """
 
 from __future__ import annotations
@@ -54,15 +54,21 @@ SECCOMP_MODE_FILTER = 2
 # uid 0 never regains capabilities on execve (the single-uid fallback runs code as uid 0 in its namespace).
 SECURE_NOROOT_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 
-_SYSCALLS = {
-    "x86_64": {"pivot_root": 155, "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103},
-    "aarch64": {"pivot_root": 41, "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116},
+# None: the call does not exist on that architecture (aarch64 has only inotify_init1).
+_SYSCALLS: dict[str, dict[str, int | None]] = {
+    "x86_64": {"pivot_root": 155, "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
+               "openat2": 437, "socket": 41, "socketpair": 53, "inotify_init": 253, "inotify_init1": 294,
+               "fanotify_init": 300, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
+    "aarch64": {"pivot_root": 41, "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,
+                "openat2": 437, "socket": 198, "socketpair": 199, "inotify_init": None, "inotify_init1": 26,
+                "fanotify_init": 262, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: same numbers with this bit set
 KEYCTL_JOIN_SESSION_KEYRING = 1
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 M_ARENA_MAX = -8
+RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
 
 
 def _check(result: int, what: str) -> None:
@@ -92,8 +98,8 @@ def umount2(target: str, flags: int) -> None:
 
 
 def _syscall_number(name: str) -> int:
-    number = _SYSCALLS.get(platform.machine(), {}).get(name)
-    if number is None:
+    number = _SYSCALLS.get(platform.machine(), {}).get(name, -1)
+    if number is None or number < 0:
         raise OSError(0, f"{name}: unsupported architecture {platform.machine()}")
     return number
 
@@ -101,6 +107,45 @@ def _syscall_number(name: str) -> int:
 def pivot_root(new_root: str, put_old: str) -> None:
     result = _libc.syscall(ctypes.c_long(_syscall_number("pivot_root")), new_root.encode(), put_old.encode())
     _check(result, f"pivot_root({new_root!r}, {put_old!r})")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_beneath(dirfd: int, path: str, flags: int) -> int:
+    """Open `path` relative to the directory `dirfd` without leaving it: an absolute path or link, a `..`
+    above it, or a /proc magic link (`/proc/self/fd/N`, `/proc/N/root`) fails with EXDEV or ELOOP
+    instead of being followed. Links that stay beneath `dirfd` are followed. Raises OSError.
+
+    openat2 (Linux 5.6+); on older kernels every link on the way is refused (O_NOFOLLOW per component)."""
+    if os.path.isabs(path):
+        raise OSError(18, f"open_beneath({path!r}): an absolute path, expected one relative to the directory")
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(ctypes.c_long(_syscall_number("openat2")), ctypes.c_int(dirfd), path.encode(),
+                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err != 38:  # anything but ENOSYS: the kernel's verdict on this path
+        raise OSError(err, f"openat2({path!r}, beneath): {os.strerror(err)}")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise OSError(18, f"open_beneath({path!r}): '..' refused without openat2")
+    current = dirfd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            step = flags if last else os.O_PATH | os.O_DIRECTORY
+            opened = os.open(part, step | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
+            if current != dirfd:
+                os.close(current)
+            current = opened
+    except OSError:
+        if current != dirfd:
+            os.close(current)
+        raise
+    return current
 
 
 def join_new_session_keyring() -> None:
@@ -113,31 +158,58 @@ def join_new_session_keyring() -> None:
         raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
 
 
-def deny_syscalls(names: tuple[str, ...], errno: int) -> None:
+def deny_syscalls(names: tuple[str, ...], errno: int,
+                   sockets: dict[int, tuple[int, ...] | None] | None = None) -> None:
     """Install a seccomp filter under which the named system calls fail with `errno` (every other call
     is allowed), as does every call of another ABI than the native one (x86's i386 and x32, arm32), whose
-    numbers the filter would not recognise. Inherited by every child and across execve; irrevocable.
-    Needs PR_SET_NO_NEW_PRIVS first."""
+    numbers the filter would not recognise. With `sockets` ({family: allowed protocols, or None for
+    any}), socket() and socketpair() of any other family or protocol fail with EAFNOSUPPORT, as on a
+    kernel built without that family. Names the architecture lacks are skipped. Inherited by every child
+    and across execve; irrevocable. Needs PR_SET_NO_NEW_PRIVS first."""
     machine = platform.machine()
     if machine not in _AUDIT_ARCH:
         raise OSError(0, f"seccomp filter: unsupported architecture {machine}")
     ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_RET|K
     allow, deny = 0x7FFF0000, 0x00050000 | errno  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
-    numbers = [_syscall_number(name) for name in names]
-    checks = [(jge_k, 0, 0, X32_SYSCALL_BIT)] if machine == "x86_64" else []
-    checks += [(jeq_k, 0, 0, n) for n in numbers]
-    # Layout: load arch; foreign arch -> deny; load nr; each check jumps to deny on a match; allow; deny.
-    program = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, _AUDIT_ARCH[machine]), (ret_k, 0, 0, deny), (ld_w_abs, 0, 0, 0)]
-    for i, (code, _, _, k) in enumerate(checks):
-        program.append((code, len(checks) - i, 0, k))  # on a match: skip the rest and the allow, to deny
-    program += [(ret_k, 0, 0, allow), (ret_k, 0, 0, deny)]
-    filters = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    no_family = 0x00050000 | 97  # EAFNOSUPPORT
+    nr, arch, arg0, arg2 = 0, 4, 16, 32  # offsets in struct seccomp_data (args: low 32 bits, little-endian)
+    numbers = [n for name in names if (n := _SYSCALLS.get(machine, {}).get(name)) is not None]
+    # Instructions as (code, jump-if-true, jump-if-false, k); a jump is a label, resolved below.
+    program: list[tuple[int, str | int, str | int, int] | str] = [
+        (ld_w_abs, 0, 0, arch), (jeq_k, 0, "deny", _AUDIT_ARCH[machine]), (ld_w_abs, 0, 0, nr)]
+    if machine == "x86_64":
+        program.append((jge_k, "deny", 0, X32_SYSCALL_BIT))
+    program += [(jeq_k, "deny", 0, n) for n in numbers]
+    if sockets is not None:
+        program += [(jeq_k, "socket", 0, _syscall_number(name)) for name in ("socket", "socketpair")]
+    program += [(ret_k, 0, 0, allow), "deny", (ret_k, 0, 0, deny)]
+    if sockets is not None:
+        program += ["socket", (ld_w_abs, 0, 0, arg0)]
+        for family, protocols in sockets.items():
+            program.append((jeq_k, "allow" if protocols is None else f"family{family}", 0, family))
+        program.append((ret_k, 0, 0, no_family))
+        for family, protocols in sockets.items():
+            if protocols is not None:
+                program += [f"family{family}", (ld_w_abs, 0, 0, arg2)]
+                program += [(jeq_k, "allow", 0, protocol) for protocol in protocols]
+                program.append((ret_k, 0, 0, no_family))
+        program += ["allow", (ret_k, 0, 0, allow)]
+    labels: dict[str, int] = {}
+    for insn in program:
+        if isinstance(insn, str):
+            labels[insn] = sum(1 for i in program[:program.index(insn)] if not isinstance(i, str))
+    code = [insn for insn in program if not isinstance(insn, str)]
+
+    def jump(target: str | int, at: int) -> int:
+        return target if isinstance(target, int) else labels[target] - at - 1  # relative to the next one
+
+    filters = b"".join(struct.pack("HBBI", op, jump(jt, i), jump(jf, i), k) for i, (op, jt, jf, k) in enumerate(code))
     buffer = ctypes.create_string_buffer(filters)
 
     class _Prog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    prog = _Prog(len(program), ctypes.addressof(buffer))
+    prog = _Prog(len(code), ctypes.addressof(buffer))
     zero = ctypes.c_ulong(0)
     result = _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
                          ctypes.c_void_p(ctypes.addressof(prog)), zero, zero)

@@ -16,6 +16,8 @@ from enum import Enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sandbox.settings import MIN_MEMORY_MB
+
 SUPPORTED_LANGUAGES = ("python", "bash")
 NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 ARG_STRLEN = 131072  # Linux's limit on one argv string, NUL included
@@ -33,6 +35,13 @@ def _check_relative(path: str) -> str:
     return path
 
 
+def _check_memory(memory_mb: int) -> int:
+    if 0 < memory_mb < MIN_MEMORY_MB:
+        raise ValueError(f"memory_limit_MB is {memory_mb}; the floor is {MIN_MEMORY_MB} MB, the least the interpreter "
+                         "needs to start and run a small program (<= 0 means the server default)")
+    return memory_mb
+
+
 class _Program(BaseModel):
     """What both one-shot runs and session calls carry."""
 
@@ -44,6 +53,16 @@ class _Program(BaseModel):
     fetch_files: list[str] = Field(default_factory=list,
                                    description="paths (relative to the working dir, or absolute under /tmp) "
                                                "returned base64-encoded after the run")
+
+    @field_validator("stdin")
+    @classmethod
+    def _stdin(cls, stdin: str | None) -> str | None:
+        if stdin is not None:  # JSON can carry lone surrogates ("\ud800"); the run's stdin is UTF-8 bytes
+            try:
+                stdin.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stdin is not encodable as UTF-8 (a lone surrogate at {e.start})") from None
+        return stdin
 
     @field_validator("files")
     @classmethod
@@ -66,8 +85,15 @@ class RunCodeRequest(_Program):
     language: str = Field(..., description="python or bash")
     compile_timeout: float = Field(10, gt=0, description="accepted for compatibility; nothing is compiled")
     run_timeout: float = Field(10, gt=0, description="wall-clock seconds (clamped to the server's maximum)")
-    memory_limit_MB: int = Field(-1, description="memory budget in MB; <= 0 means the server default")
+    # strict: JSON `true` is not a memory budget (lax mode would read it as 1 MB)
+    memory_limit_MB: int = Field(-1, strict=True, description="memory budget in MB; <= 0 means the server "
+                                                              f"default; else at least {MIN_MEMORY_MB}")
     args: list[str] = Field(default_factory=list, description="extra argv (sys.argv[1:] / $1...)")
+
+    @field_validator("memory_limit_MB")
+    @classmethod
+    def _memory(cls, memory_mb: int) -> int:
+        return _check_memory(memory_mb)
 
     @model_validator(mode="after")
     def _bash_argv(self) -> RunCodeRequest:
@@ -124,9 +150,15 @@ class RunCodeResponse(BaseModel):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    memory_limit_MB: int = Field(-1, description="memory budget of the session; <= 0: server default")
+    memory_limit_MB: int = Field(-1, strict=True, description="memory budget of the session; <= 0: server "
+                                                              f"default; else at least {MIN_MEMORY_MB}")
     idle_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
                                        description="seconds unused before it is closed; at most the server's --max-session-idle")
+
+    @field_validator("memory_limit_MB")
+    @classmethod
+    def _memory(cls, memory_mb: int) -> int:
+        return _check_memory(memory_mb)
 
 
 class SessionInfo(BaseModel):

@@ -4,7 +4,8 @@ The supervisor forks it ahead of the run (a session's, when the session starts) 
 not depend on the request (`prepare`): it joins the run's memory cgroup, closes every descriptor it
 inherited, drops to the run's unprivileged uid (or, in the single-uid fallback, drops every capability)
 with its static rlimits, sets no_new_privs and a seccomp filter that denies the kernel keyring and the
-kernel log (`DENIED_SYSCALLS`: state that outlives a run and is kept per uid), reseeds the random
+kernel log (`DENIED_SYSCALLS`: state that outlives a run and is kept per uid), inotify/fanotify and
+io_uring, and sockets of families other than Unix, IP and route netlink (`ALLOWED_SOCKETS`), reseeds the random
 generators and builds a fresh `__main__`. Then it waits. When the supervisor hands it the run (`start`),
 it puts the run's stdout/stderr at fds 1/2, reads the request, writes the input files and the program
 file, sets the run's memory and CPU limits, tells the supervisor it starts, closes its last line to it
@@ -30,6 +31,7 @@ import math
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,9 +46,19 @@ SESSION_FD = 3  # a session's socket, at a fixed number once stdio is in place
 SETUP_FAILED = 125
 MB = 1024 * 1024
 # Keyrings are kept per uid and per user namespace, outside any process, so a key added by one run
-# would be there for the next; the kernel log outlives runs too. Programs get ENOSYS, as on a kernel
-# built without them.
-DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog")
+# would be there for the next; the kernel log outlives runs too. inotify and fanotify on the shared
+# read-only binds (the venv, /usr) would tell a run which files other runs and host processes open.
+# io_uring submits work the filter never sees (its IORING_OP_SOCKET would bypass the socket rule below).
+# Programs get ENOSYS, as on a kernel built without them.
+DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog", "inotify_init", "inotify_init1",
+                   "fanotify_init", "io_uring_setup", "io_uring_enter", "io_uring_register")
+# The socket families a program may create (others: EAFNOSUPPORT). Unix and IP sockets live in the run's
+# own network namespace (abstract Unix names included; IP on loopback only); AF_VSOCK's port space
+# is the VM's, shared with the hypervisor, host agents and every other run. Netlink only as
+# NETLINK_ROUTE (protocol 0): getaddrinfo and if_nameindex ask it about the run's own interfaces (lo);
+# the other netlink protocols (audit, uevents, sock_diag, ...) are kernel surface no program needs.
+ALLOWED_SOCKETS: dict[int, tuple[int, ...] | None] = {
+    socket.AF_UNIX: None, socket.AF_INET: None, socket.AF_INET6: None, socket.AF_NETLINK: (0,)}
 _mapped = 0  # bytes the interpreter had mapped when prepared; RLIMIT_AS (no cgroup) adds the budget on top
 # Bound now: a program may rebind os._exit / os.kill (SandboxFusion's anti-hack header sets them to None),
 # and this process must still end with the program's status.
@@ -70,8 +82,10 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
                 os.close(fd)
             except OSError:
                 pass  # the listing's own descriptor, closed already
+    # Under memory pressure the kernel kills programs first, never the service. Raising needs no
+    # privilege; the floor that keeps the program from lowering it again is the server's (worker.py).
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-    os.write(fd, b"1000")  # under memory pressure the kernel kills programs first, never the service
+    os.write(fd, b"1000")
     os.close(fd)
     limits = static["limits"]
     if static["map_self"]:  # one uid mapped: stay uid 0 inside, but with no capabilities at all
@@ -81,7 +95,7 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
-    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS)
+    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS, ALLOWED_SOCKETS)
     # setresuid made us non-dumpable, which hands /proc/self (fd, environ, ...) to the namespace's root:
     # the program could not even list its own descriptors. Its uid is its alone, so this exposes nothing.
     libc.prctl(libc.PR_SET_DUMPABLE, 1)
@@ -346,14 +360,16 @@ def session_loop(namespace: dict[str, Any], limits: dict[str, Any]) -> NoReturn:
         request = read_frame_fd(SESSION_FD, limits["request_bytes"])
         if request is None:
             exit_now(0)
-        code, error, _interrupted = 0, None, False
+        code, error, refused, _interrupted = 0, None, None, False
         started = time.monotonic()
         try:
             write_files(request.get("files") or {})
             _set_stdin(request.get("stdin"))
-        except (OSError, RequestError) as e:
+        except RequestError as e:  # the files do not fit what the session's /tmp has left: the client's 4xx
+            refused = str(e)
+        except OSError as e:
             error = f"{type(e).__name__}: {e}"
-        if error is None:
+        if error is None and refused is None:
             _in_call = True
             try:
                 code, _ = _execute(request["code"], "<string>", namespace)
@@ -368,7 +384,7 @@ def session_loop(namespace: dict[str, Any], limits: dict[str, Any]) -> NoReturn:
             except BaseException:  # noqa: BLE001, S112
                 continue
         files = fetch_session_files(request.get("fetch_files") or [], limits["fetch_bytes"])
-        reply = {"code": code, "interrupted": _interrupted, "files": files, "error": error,
+        reply = {"code": code, "interrupted": _interrupted, "files": files, "error": error, "refused": refused,
                  "time": time.monotonic() - started}
         write_all_fd(SESSION_FD, encode_frame(reply))
 

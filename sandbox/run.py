@@ -21,6 +21,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from sandbox.program import SETUP_FAILED
@@ -47,6 +48,13 @@ class Job:
     files: dict[str, str | None] = field(default_factory=dict)  # relative path -> base64
     fetch_files: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)
+
+    @cached_property
+    def payload(self) -> bytes:
+        """The request as the run's supervisor receives it; the server measures it against the run's
+        memory budget first, so it is encoded once."""
+        return json.dumps({"code": self.code, "stdin": self.stdin, "files": self.files,
+                           "fetch_files": self.fetch_files, "args": self.args}).encode()
 
 
 @dataclass
@@ -206,9 +214,7 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
         for fd in child_fds:
             os.close(fd)
     exited.add_done_callback(lambda f: (f.cancelled() or f.exception(), release(worker)))
-    payload = json.dumps({"code": job.code, "stdin": job.stdin, "files": job.files,
-                          "fetch_files": job.fetch_files, "args": job.args}).encode()
-    sender = _send_now(loop, sock, payload)
+    sender = _send_now(loop, sock, job.payload)
     report = OutputCapture(os.dup(sock.fileno()), settings.max_report_bytes)
     try:
         # EOF on the report socket: the supervisor's report is complete, or it died without one.
@@ -261,6 +267,10 @@ def _outcome(report: dict[str, Any], stdout: str, stderr: str, settings: Setting
     skipped = report.get("fetch_skipped") or {}
     left_out = ", ".join(f"{name} ({size} bytes)" for name, size in skipped.items())
     message = f"fetch_files over the {settings.max_fetch_bytes}-byte budget left out: {left_out}" if skipped else ""
+    refused = report.get("fetch_refused") or {}
+    if refused:  # links the program left that lead out of its /tmp: named, never followed
+        why = ", ".join(f"{name} ({reason})" for name, reason in refused.items())
+        message = "; ".join(filter(None, [message, f"fetch_files refused: {why}"]))
     if status == "timeout":
         return Outcome("TimeLimitExceeded", elapsed, None, stdout, stderr, report["files"], message)
     return Outcome("Finished", elapsed, report["code"], stdout, stderr, report["files"], message)

@@ -2,11 +2,14 @@
 
 `create_app(settings)` builds the FastAPI app around a backend (backend.py). This module is the input
 boundary: bodies over `max_request_bytes` and code over `max_code_bytes` -> 413, malformed or mistyped
-fields -> 422 naming the field, an unsupported language -> 400, `files` that do not fit a run's /tmp
-(inodes, bytes, the file size limit, the memory budget that counts them) -> 413 naming the limit, a
+fields -> 422 naming the field (a memory budget under the floor too), an unsupported language -> 400,
+`files` that do not fit a run's /tmp (inodes, bytes, the file size limit, the memory budget that counts
+them) or a request that does not fit the run's memory budget -> 413 naming the sizes and the limit, a
 missing or wrong bearer token -> 401, every worker busy with a full queue -> 503 with Retry-After, too
-many sessions -> 429. A client that
-disconnects mid-run gets its run killed. Run outcomes map onto SandboxFusion's statuses (`to_response`).
+many sessions -> 429. Session calls get the same checks against their session's budget. A client's
+mistake is never answered as SandboxError, which means the service failed. A client that disconnects
+mid-run gets its run killed. Run outcomes map onto SandboxFusion's statuses (`to_response`). Sessions
+are reached only through the id their creator received (sessions.py); GET /sessions gives counts.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from sandbox.models import (
 )
 from sandbox.pool import Overloaded
 from sandbox.run import Job, Outcome
-from sandbox.sessions import SessionError, SessionManager
-from sandbox.settings import MB, Settings
+from sandbox.sessions import SessionError, SessionManager, session_frame
+from sandbox.settings import INTERPRETER_MB, MB, REQUEST_COPIES, Settings
 from sandbox.supervisor import inodes_for
 
 log = logging.getLogger("sandbox.server")
@@ -192,10 +195,11 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
                                  f"{', '.join(SUPPORTED_LANGUAGES)}")
         _check_code_size(req.code, settings)
         memory_mb = settings.clamp_memory(req.memory_limit_MB)
-        _check_files_fit(req.files, settings, memory_mb)
+        file_bytes = _check_files_fit(req.files, settings, memory_mb)
         job = Job(code=req.code, language=req.language, timeout_s=settings.clamp_timeout(req.run_timeout),
                   memory_mb=memory_mb, stdin=req.stdin, files=req.files, fetch_files=req.fetch_files,
                   args=req.args)
+        _check_memory_fits(len(job.payload), req.stdin, file_bytes, memory_mb, settings)
         outcome = await until_disconnect(backend.run(job), request)
         if outcome.refused:
             raise HTTPError(413, outcome.refused)
@@ -213,26 +217,34 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
         memory = settings.clamp_memory(req.memory_limit_MB if req.memory_limit_MB > 0
                                        else settings.session_memory_mb)
         session = await sessions().create(memory, req.idle_timeout)
-        return SessionInfo(session_id=session.id, idle_timeout=session.idle_timeout, memory_limit_MB=memory)
+        return SessionInfo(session_id=session.token, idle_timeout=session.idle_timeout, memory_limit_MB=memory)
 
     @app.post("/sessions/{session_id}/run_code", response_model=RunCodeResponse,
               dependencies=[Depends(authorized)])
     async def session_run(session_id: str, req: SessionRunRequest, request: Request) -> RunCodeResponse:
         _check_code_size(req.code, settings)
         manager = sessions()
-        return to_response(await until_disconnect(manager.call(session_id, req), request))
+        session = manager.get(session_id)  # 404 for an unknown id, and for another client's
+        # the checks of /run_code, against the session's budget (its /tmp already holds earlier calls'
+        # files: what no longer fits there is refused by the session itself, below)
+        file_bytes = _check_files_fit(req.files, settings, session.memory_mb)
+        frame = session_frame(req)
+        _check_memory_fits(len(frame), req.stdin, file_bytes, session.memory_mb, settings)
+        outcome = await until_disconnect(manager.call(session_id, frame, req.run_timeout), request)
+        if outcome.refused:
+            raise HTTPError(413, outcome.refused)
+        return to_response(outcome)
 
     @app.delete("/sessions/{session_id}", status_code=204, dependencies=[Depends(authorized)])
     async def close_session(session_id: str) -> Response:
         manager = sessions()
-        manager.get(session_id)  # 404 for an unknown id
-        await manager.close(session_id)
+        await manager.close(manager.get(session_id).id)  # 404 for an unknown id, and for another client's
         return Response(status_code=204)
 
     @app.get("/sessions", dependencies=[Depends(authorized)])
-    async def list_sessions() -> dict[str, Any]:
-        manager = sessions()
-        return {"session_ids": sorted(manager.sessions), **manager.status()}
+    async def count_sessions() -> dict[str, Any]:
+        # counts only: a session is reachable through its id alone, which only its creator received
+        return sessions().status()
 
     return app
 
@@ -255,7 +267,7 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
 def _check_files_fit(files: dict[str, str | None], settings: Settings, memory_mb: int) -> None:
     """`files` must fit the run's /tmp: its inodes (the files, the directories holding them, the program
     file), its size (whole 4 KiB pages per file), the per-file size limit, and the memory budget, which
-    counts /tmp's pages too."""
+    counts /tmp's pages too. Returns the bytes they take in /tmp."""
     written = {posixpath.normpath(p): c for p, c in files.items() if c is not None}
     directories = {d for p in written for d in _parents(p)}
     inodes = inodes_for(settings.disk_mb) - 16  # the working dir, the program file, the run's own room
@@ -271,6 +283,22 @@ def _check_files_fit(files: dict[str, str | None], settings: Settings, memory_mb
     if total > min(settings.disk_mb, memory_mb) * MB:
         raise HTTPError(413, f"files: {total} bytes (in 4 KiB pages) exceed a run's /tmp of {settings.disk_mb} MB"
                              f" or its memory budget of {memory_mb} MB, which counts /tmp")
+    return total
+
+
+def _check_memory_fits(request_bytes: int, stdin: str | None, file_bytes: int, memory_mb: int,
+                       settings: Settings) -> None:
+    """The run's memory budget holds the request while the run is set up (stdin and base64 files are
+    strings in it), the decoded files in /tmp and the interpreter: else its setup would be killed for
+    memory, and the client would see a failure of the sandbox for what is its own request."""
+    need = settings.setup_memory_bytes(request_bytes, file_bytes)
+    if need > memory_mb * MB:
+        stdin_bytes = len(stdin.encode()) if stdin else 0  # encodable: models.py checked
+        raise HTTPError(413, f"the request does not fit the memory budget of {memory_mb} MB: stdin of {stdin_bytes} "
+                             f"bytes and files of {file_bytes} bytes (decoded, in 4 KiB pages) need {-(-need // MB)} MB"
+                             f" (the {request_bytes}-byte request is held {REQUEST_COPIES} times while the run is "
+                             f"set up, the files once in /tmp, and the interpreter {INTERPRETER_MB} MB); ask for a "
+                             f"larger memory_limit_MB (at most {settings.max_memory_mb}) or send less")
 
 
 def _parents(path: str) -> list[str]:

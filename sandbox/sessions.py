@@ -7,14 +7,20 @@ frames; stdout/stderr are per call. A call over its `run_timeout` is interrupted
 KeyboardInterrupt, the session survives); one that ignores the interrupt for `INTERRUPT_GRACE_S` takes its
 session down. Sessions unused for their idle timeout are closed; at most `max_sessions` live at once.
 server.py maps `SessionError` to its HTTP status.
+
+A session belongs to its creator: clients reach it only through its `token` (128 random bits, compared
+in constant time), which only the creator receives; an unknown token, a closed session's and a mistyped
+one all get the same 404. The zygote knows the session by a separate internal `id`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -41,7 +47,9 @@ class SessionError(Exception):
 
 @dataclass
 class Session:
-    id: str
+    id: str  # the zygote's name for it; never given to clients
+    token: str  # the creator's handle: the `session_id` of the HTTP API
+    memory_mb: int
     idle_timeout: float
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
@@ -141,7 +149,8 @@ class SessionManager:
             for fd in child_fds:
                 os.close(fd)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        session = Session(sid, self.settings.clamp_idle(idle_timeout), reader, writer, out, err, exited)
+        session = Session(sid, secrets.token_urlsafe(16), memory_mb, self.settings.clamp_idle(idle_timeout),
+                          reader, writer, out, err, exited)
         self.sessions[sid] = session
         exited.add_done_callback(lambda f: self._ended(sid))
         return session
@@ -151,21 +160,28 @@ class SessionManager:
         if session is not None and not session.lock.locked():
             session.close_channels()
 
-    def get(self, sid: str) -> Session:
-        session = self.sessions.get(sid)
-        if session is None:
-            raise SessionError(404, f"no session {sid!r} (never created, closed, expired or crashed)")
-        return session
+    def get(self, token: str) -> Session:
+        """The live session whose token is `token`. Every live token is compared, in constant time, so
+        neither the answer nor its timing tells how close a guess came."""
+        given = token.encode("utf-8", errors="surrogatepass")
+        found = None
+        for session in list(self.sessions.values()):
+            if hmac.compare_digest(session.token.encode(), given):
+                found = session
+        if found is None:
+            raise SessionError(404, f"no session {token[:64]!r} (never created, closed, expired or crashed)")
+        return found
 
-    async def call(self, sid: str, req: SessionRunRequest) -> Outcome:
-        session = self.get(sid)
+    async def call(self, token: str, frame: bytes, run_timeout: float) -> Outcome:
+        """Run one call (`frame`: see `session_frame`) in the session `token` names."""
+        session = self.get(token)
+        sid = session.id
         async with session.lock:  # calls of one session run one after the other
             if self.sessions.get(sid) is not session:  # closed while this call waited for the one before
                 raise SessionError(404, f"session {sid!r} was closed while this call waited for the one before")
-            timeout = self.settings.clamp_timeout(req.run_timeout)
-            frame = {"code": req.code, "stdin": req.stdin, "files": req.files, "fetch_files": req.fetch_files}
+            timeout = self.settings.clamp_timeout(run_timeout)
             try:
-                session.writer.write(encode_frame(frame))
+                session.writer.write(frame)
                 await session.writer.drain()
                 reply = await self._reply(session, timeout)
             except (ConnectionError, RuntimeError, asyncio.IncompleteReadError):  # RuntimeError: a closed transport
@@ -189,6 +205,8 @@ class SessionManager:
             session.out.drain()
             session.err.drain()
             stdout, stderr = session.out.take(), session.err.take()
+            if reply.get("refused"):  # this call's files do not fit what the session's /tmp has left
+                return Outcome("Error", refused=reply["refused"])
             if reply.get("error"):
                 return Outcome("Error", reply.get("time"), stdout=stdout, stderr=stderr, message=reply["error"])
             if reply.get("timed_out"):
@@ -246,9 +264,14 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any
     if not isinstance(reply, dict) or not isinstance(reply.get("code"), int):
         return None
     check_files_and_time(reply)
-    if not isinstance(reply.get("error") or "", str):
-        reply["error"] = "the session's reply was malformed"
+    if not isinstance(reply.get("error") or "", str) or not isinstance(reply.get("refused") or "", str):
+        reply["error"], reply["refused"] = "the session's reply was malformed", None
     return reply
+
+
+def session_frame(req: SessionRunRequest) -> bytes:
+    """One call as the session's process receives it (server.py measures it against the session's memory)."""
+    return encode_frame({"code": req.code, "stdin": req.stdin, "files": req.files, "fetch_files": req.fetch_files})
 
 
 async def _exit_report(session: Session) -> dict[str, Any]:

@@ -10,6 +10,19 @@ import os
 from dataclasses import dataclass, field
 
 MB = 1024 * 1024
+# What the interpreter itself needs of a run's budget before the program's first line: a run's own
+# memory starts near zero (the preloaded interpreter's pages are shared with its worker); print(1), numpy
+# and sympy programs were measured to start within 2 MB, and 1 MB kills the interpreter while it sets the
+# run up. 8 MB leaves margin for that measurement.
+INTERPRETER_MB = 8
+# The smallest memory budget a run or session may ask for: the interpreter's need and room for a small
+# program's own allocations (a traceback, a list of a few thousand numbers).
+MIN_MEMORY_MB = 16
+# How many times a request's bytes sit in the run's memory while it is set up: the copy the supervisor
+# hands over (a memfd), the program's read of it, and the parsed strings (stdin, base64 files), which stay
+# for the whole run. Measured: 10-40 MB of stdin needed 3.0-3.1x its size in budget, base64 files 3.7x
+# their encoded size (decoded files land in /tmp, which the budget counts as well).
+REQUEST_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,11 @@ class Settings:
         if requested is None or requested <= 0:
             return self.session_idle_s
         return min(float(requested), self.max_session_idle_s)
+
+    def setup_memory_bytes(self, request_bytes: int, file_bytes: int) -> int:
+        """Memory a run (or session call) needs before its code starts: `request_bytes` of request as the
+        program receives it, `file_bytes` of files in /tmp pages, and the interpreter; at least the floor."""
+        return max(MIN_MEMORY_MB * MB, REQUEST_COPIES * request_bytes + file_bytes + INTERPRETER_MB * MB)
 
     def clamp_memory(self, requested_mb: int | None) -> int:
         if requested_mb is None or requested_mb <= 0:

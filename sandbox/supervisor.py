@@ -13,7 +13,8 @@ When the run arrives (`_run`) it reads the request from the server's socket, han
 stdout/stderr to the program, and watches: the program tells it once that it starts (then closes its
 last line to the supervisor), and its exit is seen through a pidfd, or the supervisor kills it at its
 deadline. Then the supervisor kills and reaps every process left in the namespace, reads the fetched
-files as the run's user, and only then writes the report: status, return code, time and files are what
+files as the run's user (resolved beneath the run's /tmp, never through a link out of it: a link to
+/proc/self/fd/N would otherwise reach the supervisor's own descriptors), and only then writes the report: status, return code, time and files are what
 it observed itself. A session (`_session`) gets a program process with the session's uid that keeps the
 socket and serves calls; the supervisor forwards the server's interrupts to it and outlives it only to
 kill what it left behind.
@@ -22,6 +23,7 @@ kill what it left behind.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import select
@@ -178,7 +180,8 @@ def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[
     _kill_all()
     _become_run_user(static)  # fetched files are read with the program's own permissions
     if report["status"] in ("finished", "timeout"):
-        report["files"], report["fetch_skipped"] = _fetch(request.get("fetch_files") or [], limits["fetch_bytes"])
+        report["files"], report["fetch_skipped"], report["fetch_refused"] = _fetch(
+            request.get("fetch_files") or [], limits["fetch_bytes"])
     try:
         write_all_fd(sock, json.dumps(report).encode())
     except OSError:
@@ -243,38 +246,54 @@ def _become_run_user(static: dict[str, Any]) -> None:
         os.setresuid(uid, uid, uid)
 
 
-def _fetch(paths: list[str], budget: int) -> tuple[dict[str, str], dict[str, int]]:
+def _fetch(paths: list[str], budget: int) -> tuple[dict[str, str], dict[str, int], dict[str, str]]:
     """The requested files that exist as regular files in the run's /tmp (relative paths from the working
-    dir), up to `budget` bytes together; also those left out for the budget, with their sizes. Others
-    (missing, not regular, outside /tmp, unreadable) are left out, as SandboxFusion does."""
+    dir), up to `budget` bytes together; also those left out for the budget, with their sizes, and those
+    refused for a link out of the run's /tmp, with why. Others (missing, not regular, outside /tmp,
+    unreadable) are left out silently, as SandboxFusion does.
+
+    We run as the program's user, but a path is still resolved beneath the run's /tmp only: a link the
+    program left (to /proc/self/fd/N, which would be *our* descriptors, or to any absolute path, or `..`
+    out of /tmp) is refused, never followed."""
     files: dict[str, str] = {}
     skipped: dict[str, int] = {}
-    for name in paths:
-        path = os.path.normpath(os.path.join(WORKDIR, name))
-        if not path.startswith("/tmp/") or name in files:
-            continue
-        try:  # non-blocking and regular files only: a FIFO or a device never stalls or floods the report
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        except (OSError, ValueError):  # ValueError: a NUL byte in the name
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+    refused: dict[str, str] = {}
+    tmp = os.open("/tmp", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in paths:
+            path = os.path.normpath(os.path.join(WORKDIR, name))
+            if name in files or not path.startswith("/tmp/"):
                 continue
-            if st.st_size > budget:
-                skipped[name] = st.st_size
+            try:  # non-blocking and regular files only: a FIFO or a device never stalls or floods the report
+                fd = libc.open_beneath(tmp, path[len("/tmp/"):], os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            except ValueError:  # a NUL byte in the name
                 continue
-            data = _read_up_to(fd, budget + 1)
-            if len(data) > budget:  # grew meanwhile: impossible once the run is dead, but cheap to check
-                skipped[name] = len(data)
+            except OSError as e:
+                if e.errno == errno.EXDEV:
+                    refused[name] = "a link that leads out of the run's /tmp"
+                elif e.errno == errno.ELOOP:
+                    refused[name] = "a /proc magic link, or a loop of links"
                 continue
-            budget -= len(data)
-            files[name] = base64.b64encode(data).decode()
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return files, skipped
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if st.st_size > budget:
+                    skipped[name] = st.st_size
+                    continue
+                data = _read_up_to(fd, budget + 1)
+                if len(data) > budget:  # grew meanwhile: impossible once the run is dead, but cheap to check
+                    skipped[name] = len(data)
+                    continue
+                budget -= len(data)
+                files[name] = base64.b64encode(data).decode()
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    finally:
+        os.close(tmp)
+    return files, skipped, refused
 
 
 def _read_up_to(fd: int, limit: int) -> bytes:

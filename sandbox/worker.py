@@ -1,9 +1,10 @@
 """The server's handle on one zygote (zygote.py): start it, talk to it, hand it runs and sessions.
 
-`Zygote` owns one zygote process tree: it spawns the launcher with a scrubbed environment, puts it in
-its cgroup, writes its uid/gid maps (when the server is root), hands it the descriptor that lets a run's
-program join the run's memory cgroup, and then exchanges control messages with it on a SEQPACKET socket
-read from the event loop. A run worker's zygote also sends the channel of the supervisor it prepared
+`Zygote` owns one zygote process tree: it spawns the launcher with a scrubbed environment (its stderr a
+pipe copied into the server's log, so no process of the tree holds a host file), puts it in its cgroup,
+sets its OOM floor (`_set_oom_floor`), writes its uid/gid maps (when the server is root), hands it the
+descriptor that lets a run's program join the run's memory cgroup, and then exchanges control messages
+with it on a SEQPACKET socket read from the event loop. A run worker's zygote also sends the channel of the supervisor it prepared
 ahead (supervisor.py), so a run is handed to it directly (the zygote is told afterwards and starts the
 backstop deadline): one process hop less on every request. pool.py keeps a pool of run workers;
 sessions.py uses a dedicated zygote of its own; run.py drives one run.
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +44,7 @@ BOOT = "from sandbox.zygote import main; main()"
 STARTUP_TIMEOUT_S = 180.0
 ZYGOTE_OVERHEAD_MB = 384  # the zygote's own resident memory, counted in its cgroup next to the run's
 _incarnations = itertools.count(1)
+CAP_SYS_RESOURCE = 24
 
 
 class Zygote:
@@ -79,8 +82,12 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", BOOT, str(child.fileno()), str(os.getpid())],
             pass_fds=[child.fileno()], env=ZYGOTE_ENV, cwd=package_parent,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            # stderr a pipe, never the server's own (often its log file): every supervisor inherits it, and
+            # a descriptor of a host file is one /proc/<pid>/fd/N path away from being reopened.
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
+        threading.Thread(target=_forward_stderr, args=(self.proc.stderr, self.name), daemon=True,
+                         name=f"stderr-{self.name}").start()
         child.close()
         self.ctl = parent
         parent.setblocking(False)
@@ -90,6 +97,7 @@ class Zygote:
                           "warmup": list(warmup), "prefork": not self.sessions,
                           "child": self._child_config()})
         await self._expect("unshared")
+        self._set_oom_floor()
         run_procs: list[int] = []
         if self.cgroups is not None:
             memory = (self.cgroup_memory_mb + ZYGOTE_OVERHEAD_MB) * MB
@@ -113,6 +121,27 @@ class Zygote:
         if ready.get("missing"):
             log.warning("sandbox worker %s could not pre-import: %s", self.name, "; ".join(ready["missing"]))
         self.alive = True
+
+    def _set_oom_floor(self) -> None:
+        """Make oom_score_adj 1000 a floor for every process of this worker, so a program cannot lower
+        the score its process sets (program.py) and the kernel's OOM killer takes it before the server.
+
+        Only a write by a holder of CAP_SYS_RESOURCE in the host's user namespace sets a task's
+        oom_score_adj_min (which children inherit, and below which no process without that capability,
+        in whatever namespace, can go); nothing inside the worker's user namespace holds it. So the
+        server writes it, to the launcher, before the launcher forks the zygote. The zygote and the
+        supervisors get the floor too: they are disposable (the pool replaces a dead zygote), the server
+        is not. A server without the capability leaves the score to the programs, which can then lower
+        it again down to the server's own floor."""
+        assert self.proc is not None
+        if not holds_capability(CAP_SYS_RESOURCE):
+            return
+        try:
+            with open(f"/proc/{self.proc.pid}/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError as e:
+            log.warning("sandbox worker %s: could not set oom_score_adj of %d to 1000 (expected a writable "
+                        "/proc/<pid>/oom_score_adj): %s", self.name, self.proc.pid, e)
 
     def _child_config(self) -> dict[str, Any]:
         """What every child of this zygote shares; a run worker's children drop privileges ahead."""
@@ -251,6 +280,21 @@ class Zygote:
                 await loop.run_in_executor(None, _reap, self.zygote_pid)
         if self.cgroups is not None:
             self.cgroups.remove(self.cgroup)
+
+
+def holds_capability(cap: int) -> bool:
+    """Whether this process has capability number `cap` in its effective set (in its user namespace)."""
+    with open("/proc/self/status") as f:
+        effective = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+    return bool(int(effective, 16) >> cap & 1)
+
+
+def _forward_stderr(stream: Any, name: str) -> None:
+    """The zygote tree's diagnostics (a run or session that failed to start) into the server's log,
+    until the last process holding the pipe is gone."""
+    with stream:
+        for line in stream:
+            log.warning("sandbox worker %s: %s", name, line.decode(errors="replace").rstrip())
 
 
 def _children(pid: int) -> list[int]:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import site
 import subprocess
 import sys
 
 import pytest
 
+from sandbox.settings import MIN_MEMORY_MB
 from sandbox.testing import ServerProcess
 
 FETCH_BUDGET = 100_000
@@ -96,12 +98,42 @@ def test_fetch_files_budget_and_paths(server):
 def test_requests_that_do_not_fit_a_run_are_refused_naming_the_limit(server):
     many = server.run_code("print(1)", files={f"f{i}": "" for i in range(5000)})
     assert many.status_code == 413 and "inodes" in many.json()["detail"] and "--disk-mb 64" in many.json()["detail"]
-    block = base64.b64encode(b"x" * (3 << 20)).decode()
-    big = server.run_code("print(1)", memory_limit_MB=8, files={f"b{i}": block for i in range(3)})
-    assert big.status_code == 413 and "memory budget of 8 MB" in big.json()["detail"], big.text
+    block = base64.b64encode(b"x" * (6 << 20)).decode()  # 18 MB: over the smallest budget, under /tmp
+    big = server.run_code("print(1)", memory_limit_MB=MIN_MEMORY_MB, files={f"b{i}": block for i in range(3)})
+    assert big.status_code == 413 and f"memory budget of {MIN_MEMORY_MB} MB" in big.json()["detail"], big.text
     deep = "/".join(["d"] * 1000) + "/f.txt"  # 2005 bytes: nested deep, well under PATH_MAX
     body = run(server, f"print(open({deep!r}).read())", files={deep: base64.b64encode(b"deep").decode()})
     assert result(body) == (0, "deep\n")
+
+
+def test_client_mistakes_are_refused_not_sandbox_errors(server):
+    """SandboxError means the service failed. A request whose stdin or decoded files fit the request-size
+    limit but not the run's memory, or whose memory budget is too small for the interpreter, is the
+    client's mistake: refused with 413 / 422 naming the sizes, the budget or the floor."""
+    stdin = server.run_code("import sys\nprint(len(sys.stdin.read()))", memory_limit_MB=32, stdin="x" * (20 << 20))
+    assert stdin.status_code == 413, stdin.text
+    assert "memory budget of 32 MB" in stdin.json()["detail"] and str(20 << 20) in stdin.json()["detail"]
+    block = base64.b64encode(b"x" * (10 << 20)).decode()  # fits /tmp (64 MB) and the budget's /tmp share
+    files = server.run_code("print(1)", memory_limit_MB=40, files={"a.bin": block})
+    assert files.status_code == 413 and "memory budget of 40 MB" in files.json()["detail"], files.text
+    for memory in (1, 2, MIN_MEMORY_MB - 1):
+        low = server.run_code("print(1)", memory_limit_MB=memory)
+        assert low.status_code == 422 and f"floor is {MIN_MEMORY_MB} MB" in low.json()["message"], low.text
+    assert server.run_code("print(1)", memory_limit_MB=True).status_code == 422  # not a 1 MB budget
+    assert result(run(server, "print(1)", memory_limit_MB=MIN_MEMORY_MB)) == (0, "1\n")  # the floor starts
+    # the least budget the check accepts (the need its refusal names) sets the run up: stdin and files arrive whole
+    request = {"code": "import sys, os\nprint(len(sys.stdin.read()), os.path.getsize('a.bin'))",
+               "stdin": "x" * (10 << 20), "files": {"a.bin": block}}
+    refused = server.run_code(**request, memory_limit_MB=64)
+    need = int(re.search(r"need (\d+) MB", refused.json()["detail"]).group(1))
+    assert refused.status_code == 413 and str(10 << 20) in refused.json()["detail"] and need > 64, refused.text
+    assert result(run(server, **request, memory_limit_MB=need)) == (0, f"{10 << 20} {10 << 20}\n")
+    count = "import os\nn = 0\nwhile chunk := os.read(0, 1 << 16):\n    n += len(chunk)\nprint(n)"  # little memory
+    for text in ("x" * (20 << 20), "é" * (5 << 20)):  # stdin alone, ASCII and not
+        refused = server.run_code(count, memory_limit_MB=MIN_MEMORY_MB, stdin=text)
+        need = int(re.search(r"need (\d+) MB", refused.json()["detail"]).group(1))
+        body = run(server, count, memory_limit_MB=need, stdin=text)
+        assert result(body) == (0, f"{len(text.encode())}\n"), body
 
 
 def test_an_interpreter_under_tmp_serves(tmp_path):

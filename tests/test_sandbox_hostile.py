@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.testing import ServerProcess
+from sandbox.testing import ServerProcess, descendants
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 FIND_SECRET = f"{SECRET[::-1]!r}[::-1]"  # the secret in a program's code that does not hold it (its own file)
@@ -256,3 +256,116 @@ def test_cgroup_v1_swap_limit_follows_the_memory_limit():
             assert limits(os.path.join(path, "run")) == (mb << 20, mb << 20)
     finally:
         cgroups.destroy()
+
+
+def test_fetching_a_link_never_reads_outside_the_run(server, contained):
+    # Each name links somewhere the run's /tmp does not hold; the supervisor must not follow it there.
+    links = {"self_fd": "/proc/self/fd/2", "sup_fd0": "/proc/1/fd/0", "sup_fd1": "/proc/1/fd/1",
+             "sup_fd2": "/proc/1/fd/2", "sup_fd3": "/proc/1/fd/3", "passwd": "/etc/passwd",
+             "log": server.log.name, "secret": server.secret_file, "up": "../../etc/hostname",
+             "dev": "/dev/zero"}
+    code = ("import os\nopen('ok.txt', 'w').write('fine')\nos.symlink('ok.txt', 'inside')\n"
+            f"for name, target in {links!r}.items():\n    os.symlink(target, name)\nprint('linked')")
+    body = run(server, code, fetch_files=[*links, "ok.txt", "inside"])
+    assert out(body) == "linked\n"
+    assert set(body["files"]) == {"ok.txt", "inside"}, sorted(body["files"])
+    assert body["files"]["ok.txt"] == body["files"]["inside"] == "ZmluZQ=="  # base64 of "fine"
+    for name in links:  # each refusal is named in the answer's message
+        assert name in body["message"], (name, body["message"])
+
+
+def test_no_sandbox_process_holds_a_host_file(server, contained):
+    """A /proc/<pid>/fd/N path reopens what that descriptor points at: no zygote, supervisor or prepared
+    program may hold a host regular file (the server's log as inherited stderr) for a run to reach."""
+    import stat
+
+    held = []
+    for pid in descendants(server.proc.pid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            # Not host files: namespaces (`pid:[...]`), memfds, the run cgroup's control file (how a
+            # program joins its cgroup; a kernel interface, no data).
+            if (stat.S_ISREG(st.st_mode) and target.startswith("/")
+                    and not target.startswith(("/memfd:", "/sys/fs/cgroup/"))):
+                held.append(f"pid {pid} fd {fd} -> {target}")
+    assert held == []
+
+
+def test_only_the_needed_socket_families(server, contained):
+    code = """
+import errno, socket
+for name, family, kind, proto in [('vsock', 40, socket.SOCK_STREAM, 0), ('packet', 17, socket.SOCK_RAW, 0),
+                                  ('alg', 38, socket.SOCK_SEQPACKET, 0), ('key', 15, socket.SOCK_RAW, 2),
+                                  ('netlink_audit', 16, socket.SOCK_RAW, 9), ('uevent', 16, socket.SOCK_DGRAM, 15),
+                                  ('bluetooth', 31, socket.SOCK_STREAM, 0), ('xdp', 44, socket.SOCK_RAW, 0)]:
+    try:
+        socket.socket(family, kind, proto).close()
+        print(name, 'created')
+    except OSError as e:
+        print(name, errno.errorcode.get(e.errno))
+try:
+    socket.socketpair(40, socket.SOCK_STREAM)
+    print('vsock pair created')
+except OSError as e:
+    print('vsock pair', errno.errorcode.get(e.errno))
+a, b = socket.socketpair()
+a.send(b'u'); print('unix', b.recv(1).decode())
+server = socket.create_server(('127.0.0.1', 0))
+client = socket.create_connection(server.getsockname()); conn, _ = server.accept()
+client.send(b'4'); print('inet', conn.recv(1).decode())
+server6 = socket.create_server(('::1', 0), family=socket.AF_INET6)
+client6 = socket.create_connection(server6.getsockname()[:2]); conn6, _ = server6.accept()
+client6.send(b'6'); print('inet6', conn6.recv(1).decode())
+print('interfaces', [name for _, name in socket.if_nameindex()])
+"""
+    lines = out(run(server, code)).splitlines()
+    refused = [line for line in lines if line.endswith(" EAFNOSUPPORT")]
+    assert len(refused) == 9, lines
+    assert lines[9:] == ["unix u", "inet 4", "inet6 6", "interfaces ['lo']"], lines
+
+
+def test_no_inotify_on_shared_files(server, contained):
+    code = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name in ('inotify_init1', 'fanotify_init'):
+    fd = libc.inotify_init1(0) if name == 'inotify_init1' else libc.fanotify_init(0, 0)
+    print(name, fd if fd >= 0 else errno.errorcode.get(ctypes.get_errno()))
+params = ctypes.create_string_buffer(120)
+fd = libc.syscall(425, 4, params)  # io_uring_setup: its IORING_OP_SOCKET would bypass the socket filter
+print('io_uring_setup', fd if fd >= 0 else errno.errorcode.get(ctypes.get_errno()))
+import asyncio, json, multiprocessing, subprocess, numpy, sympy
+print(subprocess.run(['true']).returncode, sympy.Integer(2) ** 10)
+"""
+    assert out(run(server, code)) == ("inotify_init1 ENOSYS\nfanotify_init ENOSYS\n"
+                                     "io_uring_setup ENOSYS\n0 1024\n")
+    body = run(server, "tail -f /dev/null --pid=$$ & sleep 0.2; kill %1; echo done", language="bash")
+    assert out(body) == "done\n"
+
+
+def test_a_program_cannot_lower_its_oom_priority(server, contained):
+    code = """
+for value in ('-1000', '0', '500'):
+    try:
+        with open('/proc/self/oom_score_adj', 'w') as f:
+            f.write(value)
+        print(value, 'written')
+    except OSError as e:
+        print(value, e.errno)
+print(open('/proc/self/oom_score_adj').read().strip())
+"""
+    lines = out(run(server, code)).splitlines()
+    assert lines[0] == "-1000 13", lines  # below the server's own floor: never
+    with open("/proc/self/status") as f:
+        effective = int(next(line.split()[1] for line in f if line.startswith("CapEff:")), 16)
+    if not effective >> 24 & 1:  # the server is started by this test process, with its capabilities
+        pytest.skip("the floor is set by a server holding CAP_SYS_RESOURCE; this host's root lacks it")
+    assert lines[1:] == ["0 13", "500 13", "1000"], lines

@@ -7,11 +7,13 @@ retry logic is also checked against httpx.MockTransport doubles that answer like
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import json
 import os
 import signal
 import socket
+import string
 import time
 
 import httpx
@@ -19,6 +21,7 @@ import pytest
 
 from agentrl.tools.code import CodeTool
 from agentrl.types import ToolCall
+from sandbox.settings import MIN_MEMORY_MB
 from sandbox.testing import ServerProcess, descendants, free_port, sandbox_uid_processes
 
 
@@ -89,22 +92,70 @@ def test_sessions_are_isolated_capped_and_expire(server):
     assert session_run(server, ids[0], "print(uid)")["run_result"]["stdout"].strip() != uid
     for sid in ids:
         assert call(server, "DELETE", f"/sessions/{sid}").status_code == 204
-    short = call(server, "POST", "/sessions", json={"idle_timeout": 0.5}).json()["session_id"]
+    call(server, "POST", "/sessions", json={"idle_timeout": 0.5})
     deadline = time.monotonic() + 20
-    while short in call(server, "GET", "/sessions").json()["session_ids"]:  # idle expiry
+    while call(server, "GET", "/sessions").json()["sessions"]:  # idle expiry
         assert time.monotonic() < deadline, "idle session was not closed"
         time.sleep(0.1)
+    assert server.leftovers() == []
+
+
+def test_a_session_is_reachable_only_through_its_creators_id(server):
+    """Client A's session id is in nothing client B can read; B's guesses, near misses and A's id once
+    closed all get the same 404 as a session that never existed; A keeps using its session."""
+    created = call(server, "POST", "/sessions", json={})
+    sid = created.json()["session_id"]
+    assert len(sid) >= 22 and set(sid) <= set(string.ascii_letters + string.digits + "-_")  # 128 random bits
+    session_run(server, sid, "secret = 42")
+    listing = call(server, "GET", "/sessions")  # what B sees
+    assert listing.status_code == 200 and sid not in listing.text and listing.json()["sessions"] == 1, listing.text
+    assert sid not in call(server, "GET", "/health").text
+    guesses = [sid[:-1] + ("A" if sid[-1] != "A" else "B"), sid[:-1], sid + "x", sid.upper() if sid.upper() != sid
+               else sid.lower(), "0" * len(sid), os.urandom(16).hex(), "1"]
+    for guess in guesses:
+        for method, path, kw in [("POST", f"/sessions/{guess}/run_code", {"json": {"code": "print(secret)"}}),
+                                 ("DELETE", f"/sessions/{guess}", {})]:
+            answer = call(server, method, path, **kw)
+            assert answer.status_code == 404 and "secret" not in answer.text, (guess, answer.text)
+    assert session_run(server, sid, "print(secret)")["run_result"]["stdout"] == "42\n"  # A's session is intact
+    assert call(server, "DELETE", f"/sessions/{sid}").status_code == 204
+    gone = call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1"})
+    assert gone.status_code == 404 and call(server, "DELETE", f"/sessions/{sid}").status_code == 404
+    assert server.leftovers() == []
+
+
+def test_session_calls_get_the_checks_of_run_code(server):
+    """A session call the session cannot hold is the client's mistake, refused with 4xx as /run_code
+    refuses it, never a SandboxError: too many files, files and stdin over the session's memory budget,
+    files over what its /tmp has left after earlier calls, a budget under the floor."""
+    for memory in (1, 2, True, 1.5):
+        low = call(server, "POST", "/sessions", json={"memory_limit_MB": memory})
+        assert low.status_code == 422 and "memory_limit_MB" in low.text, low.text
+        assert memory is True or memory == 1.5 or f"floor is {MIN_MEMORY_MB} MB" in low.text, low.text
+    sid = call(server, "POST", "/sessions", json={"memory_limit_MB": 48}).json()["session_id"]
+    many = call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1", "files": {f"f{i}": "" for i in range(5000)}})
+    assert many.status_code == 413 and "inodes" in many.json()["detail"], many.text
+    stdin = call(server, "POST", f"/sessions/{sid}/run_code", json={"code": "1", "stdin": "x" * (20 << 20)})
+    assert stdin.status_code == 413 and "memory budget of 48 MB" in stdin.json()["detail"], stdin.text
+    assert session_run(server, sid, "print('still here')")["run_result"]["stdout"] == "still here\n"
+    call(server, "DELETE", f"/sessions/{sid}")
+    roomy = call(server, "POST", "/sessions", json={"memory_limit_MB": 1024}).json()["session_id"]
+    block = {"code": "1", "files": {"a.bin": base64.b64encode(b"x" * (40 << 20)).decode()}}
+    assert session_run(server, roomy, **block)["status"] == "Success"
+    full = call(server, "POST", f"/sessions/{roomy}/run_code", json={**block, "files": {"b.bin": block["files"]["a.bin"]}})
+    assert full.status_code == 413 and "No space left" in full.json()["detail"], full.text  # the 64 MB /tmp
+    assert session_run(server, roomy, "import os\nprint(os.path.getsize('a.bin'))")["run_result"]["stdout"] == f"{40 << 20}\n"
+    call(server, "DELETE", f"/sessions/{roomy}")
     assert server.leftovers() == []
 
 
 def test_session_cap_holds_under_concurrent_creates_and_idle_is_bounded():
     with ServerProcess("--workers", "1", "--max-sessions", "2", "--max-session-idle", "50", "--disk-mb", "64") as s:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            codes = sorted(f.result().status_code
-                           for f in [pool.submit(call, s, "POST", "/sessions", json={}) for _ in range(8)])
-        assert codes == [201, 201] + [429] * 6
-        for sid in call(s, "GET", "/sessions").json()["session_ids"]:
-            assert call(s, "DELETE", f"/sessions/{sid}").status_code == 204
+            answers = [f.result() for f in [pool.submit(call, s, "POST", "/sessions", json={}) for _ in range(8)]]
+        assert sorted(a.status_code for a in answers) == [201, 201] + [429] * 6
+        for created in [a for a in answers if a.status_code == 201]:
+            assert call(s, "DELETE", f"/sessions/{created.json()['session_id']}").status_code == 204
         created = call(s, "POST", "/sessions", json={"idle_timeout": 1e300})
         assert created.status_code == 201 and created.json()["idle_timeout"] == 50.0
         too_big = call(s, "POST", "/sessions", content='{"idle_timeout": 1e400}',  # JSON's way to say inf

@@ -37,3 +37,5 @@ def test_sandbox_replicas_share_the_calls_round_robin(tmp_path):
     assert [r.error == "connection" for r in after] == [True, False, True, False]
     assert [r.text.strip() for r in after[1::2]] == ["42", "42"]
     assert {p.name for p in tmp_path.glob("*.log")} == {"sandbox-0.log", "sandbox-1.log"}
+    # owner-only: a service's log holds what its clients sent
+    assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("*.log")} == {0o600}

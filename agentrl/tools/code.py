@@ -123,7 +123,8 @@ class CodeTool:
 
 
 class CodeSession:
-    """The `python` tool bound to one server-side session (a Tool too)."""
+    """The `python` tool bound to one server-side session (a Tool too). The session's id is its only
+    handle (the server lists no ids): it stays with this object."""
 
     name = "python"
 
