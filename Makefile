@@ -1,4 +1,4 @@
-# The two quickstart commands (README.md): `make demo` and `make test`. Both create or reuse .venv.
+# The two quickstart commands (README.md): `make demo` and `make test` (and `make test-fast`, the edit loop's tier). Both create or reuse .venv.
 # On a machine without CUDA, torch is TORCH_SPEC from TORCH_INDEX (pip's indexes when empty; README.md);
 # with CUDA, pip's default build.
 PYTHON ?= python3
@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The edit loop's tier: every test but those marked slow (README: Tests). CI runs `make test`, the whole suite.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

@@ -177,6 +177,7 @@ def test_both_engines_load_a_bucket_at_once(monkeypatch) -> None:
     assert asyncio.run(go()) == 1
 
 
+@pytest.mark.slow
 def test_two_engine_processes_answer_as_one_engine_and_take_new_weights(models, tiny_tokenizer) -> None:
     sessions = [f"t{i}/0" for i in range(2 * len(PROMPTS))]
     greedy, seeded = Sampling(max_tokens=10, temperature=0), Sampling(max_tokens=10, seed=3)
@@ -268,6 +269,7 @@ class StartProbe:
         self.closed.write_text("closed")
 
 
+@pytest.mark.slow
 def test_vllm_processes_splits_the_memory_and_ends_started_children_when_one_fails(tmp_path) -> None:
     from agentrl.engine.vllm import vllm_processes
 

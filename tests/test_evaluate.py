@@ -240,6 +240,7 @@ def test_qa_benchmarks_report_exact_match_and_f1(tmp_path, tok):
     assert results["f1"] == pytest.approx((1.0 + 2 * (1 / 3) * 1 / (1 / 3 + 1)) / 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["torl_math", "search_r1"])
 def test_the_eval_command_serves_the_tools_it_needs(tmp_path, tok, task):
     """`agentrl eval` end to end on a tiny random checkpoint: the sandbox, or a retriever over an index

@@ -21,7 +21,7 @@ from tests.conftest import REPO, ray_token_mode
 ray_token_mode()  # before Ray is imported
 ray = pytest.importorskip("ray")
 RAY = str(Path(sys.executable).with_name("ray"))
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from agentrl.cli import app
 from agentrl.quickstart.__main__ import prepare_to, table_text
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agentrl.run import ServicesConfig
 from agentrl.services import Services
 from agentrl.tools import Replicas, build_tools
@@ -17,6 +19,7 @@ async def _calls(tool, k: int) -> list:
     return [await tool.call(SIX_BY_SEVEN) for _ in range(k)]
 
 
+@pytest.mark.slow
 def test_sandbox_replicas_share_the_calls_round_robin(tmp_path):
     config = ServicesConfig(sandbox_replicas=2, sandbox_args=["--workers", "1"])
     with Services(["python"], config, tmp_path) as services:

@@ -99,6 +99,7 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_completes_with_nothing_half_written(tmp_path):
     run = tmp_path / "killed"
     command = [sys.executable, "-m", "agentrl.cli", "train", str(DEBUG), "--set", f"trainer.run_dir={run}",
@@ -334,6 +335,7 @@ def test_a_service_that_cannot_start_fails_the_run_naming_it_and_its_log(tmp_pat
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_wandb_and_mlflow_get_every_step_and_a_resume_continues_their_runs(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the tracking extra is not installed: pip install 'agentrl[tracking]'")
     pytest.importorskip("mlflow", reason="the tracking extra is not installed: pip install 'agentrl[tracking]'")
