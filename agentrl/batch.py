@@ -52,6 +52,29 @@ def has_void_turn(t: Trajectory) -> bool:
     return t.timings["void_turns"] > 0
 
 
+def shape_and_filter(trajectories: Sequence[Trajectory], rewards_B: Tensor, response_lens_B: Tensor, *,
+                     algo: AlgoConfig, drop_void_turns: bool,
+                     metrics: dict[str, float]) -> tuple[Tensor, Tensor]:
+    """Stage 2: the rewards with DAPO's overlong penalty, and the row scale [B] (0: dropped from the loss)
+    of truncated trajectories (overlong filtering) and, with `drop_void_turns`, of those with a void turn.
+    Records what it did in `metrics`."""
+    overlong = algo.overlong
+    if overlong.max_tokens is not None:
+        rewards_B = rewards_B + overlong_penalty(response_lens_B, overlong.max_tokens, overlong.buffer_tokens,
+                                                 overlong.penalty)
+        metrics["reward/shaped_mean"] = float(rewards_B.mean())
+    scale_B = torch.ones(len(trajectories))
+    if overlong.filter_truncated:
+        kept = keep_untruncated(trajectories)
+        metrics["batch/truncated_dropped"] = float((kept == 0).sum())
+        scale_B = scale_B * kept
+    if drop_void_turns:
+        void = torch.tensor([0.0 if has_void_turn(t) else 1.0 for t in trajectories])
+        metrics["batch/void_dropped"] = float((void == 0).sum())
+        scale_B = scale_B * void
+    return rewards_B, scale_B
+
+
 def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
     """Row indices of `parts` mini-batches of whole groups, in order, as even as the groups allow."""
     parts = min(parts, len(groups))
@@ -69,20 +92,8 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
     for part in sorted({k for t in trajectories if t.reward for k in t.reward.parts}):
         metrics[f"reward/{part}"] = sum(t.reward.parts.get(part, 0.0) for t in trajectories if t.reward) / len(trajectories)
 
-    overlong = algo.overlong
-    if overlong.max_tokens is not None:
-        rewards_B = rewards_B + overlong_penalty(layout.response_lens_B, overlong.max_tokens, overlong.buffer_tokens,
-                                                 overlong.penalty)
-        metrics["reward/shaped_mean"] = float(rewards_B.mean())
-    scale_B = torch.ones(len(trajectories))
-    if overlong.filter_truncated:
-        kept = keep_untruncated(trajectories)
-        metrics["batch/truncated_dropped"] = float((kept == 0).sum())
-        scale_B = scale_B * kept
-    if drop_void_turns:
-        void = torch.tensor([0.0 if has_void_turn(t) else 1.0 for t in trajectories])
-        metrics["batch/void_dropped"] = float((void == 0).sum())
-        scale_B = scale_B * void
+    rewards_B, scale_B = shape_and_filter(trajectories, rewards_B, layout.response_lens_B, algo=algo,
+                                          drop_void_turns=drop_void_turns, metrics=metrics)
 
     world, rank = policy.ctx.world_size, policy.ctx.rank
     parts = split_groups(groups, mini_batches)

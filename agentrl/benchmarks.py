@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import ConfigError
-from agentrl.task import DatasetSpec, Fields
+from agentrl.task_spec import DatasetSpec, Fields
 
 
 @dataclass(frozen=True)

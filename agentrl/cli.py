@@ -205,7 +205,7 @@ def train(
 ) -> None:
     """Train a policy with RL: rollouts with tools, rewards, advantages, learner steps, checkpoints."""
     from agentrl.config import ConfigError
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
 
     sets = list(overrides or [])
     if resume is not None:
@@ -265,7 +265,7 @@ def eval_(
 
     from agentrl.config import ConfigError
     from agentrl.eval_run import run_eval, without_tools
-    from agentrl.run import ServicesConfig
+    from agentrl.run_config import ServicesConfig
     from agentrl.services import Services
     from agentrl.task import load_task, load_tokenizer
 
@@ -351,28 +351,13 @@ def report(
 
 async def _evaluate(model: str, kind: str, tokenizer: object, seed: int, run: object) -> object:
     """Build the engine (in the running event loop, as vLLM needs), run, close it."""
-    import importlib.util
+    from agentrl.build import checkpoint_engine
 
-    import torch
-
-    from agentrl.engine import maybe_await
-
-    if kind == "auto":
-        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
-        from agentrl.engine.vllm import VLLMEngine
-
-        engine = VLLMEngine(model, seed=seed, use_request_seeds=True)
-    elif kind == "hf":
-        from agentrl.engine.hf import HFEngine
-
-        engine = HFEngine.from_pretrained(model, device="cuda" if torch.cuda.is_available() else "cpu", seed=seed)
-    else:
-        raise _fail(f"--engine {kind!r}: expected auto, hf or vllm")
+    engine = checkpoint_engine(kind, model, seed)
     try:
         return await run(engine)  # type: ignore[operator]
     finally:
-        await maybe_await(engine.aclose())
+        await engine.aclose()
 
 
 def main() -> None:

@@ -20,8 +20,9 @@ from agentrl.benchmarks import resolve
 from agentrl.config import ConfigError, atomic_write_text
 from agentrl.evaluate import answer_format, evaluate, summarize
 from agentrl.rewards import build_reward
-from agentrl.run import append_jsonl
-from agentrl.task import Budgets, Task, TaskSpec, ToolsSpec
+from agentrl.run_dir import append_jsonl
+from agentrl.task import Task
+from agentrl.task_spec import Budgets, TaskSpec, ToolsSpec
 
 CHUNK_PROMPTS = 64  # prompts per rollout call: a resumed run loses at most one chunk's work
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from agentrl.rewards import Reward, model_text, score
 from agentrl.rollout import RolloutConfig, rollout
-from agentrl.task import Budgets
+from agentrl.task_spec import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import ToolFormat
 from agentrl.types import Prompt, StopReason, Trajectory

@@ -92,7 +92,7 @@ def histogram(scores: Iterable[float], bins: int = 10, width: int = 40) -> str:
 def run_rows(run_dir: Path) -> list[Any]:
     """The training rows of the run in `run_dir` (its resolved config's task), in dataset order."""
     from agentrl.config import read_yaml, validate
-    from agentrl.run import RunConfig
+    from agentrl.run_config import RunConfig
     from agentrl.task import Task
 
     config = validate(RunConfig, read_yaml(run_dir / "config.yaml"), str(run_dir / "config.yaml"))

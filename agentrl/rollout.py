@@ -31,7 +31,7 @@ from pydantic import Field
 
 from agentrl.config import StrictModel, atomic_write_text
 from agentrl.engine import Completion, Engine, Sampling, completed_stop
-from agentrl.task import Budgets
+from agentrl.task_spec import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
 from agentrl.types import Group, Prompt, Segment, StopReason, ToolCall, ToolRecord, ToolResult, Trajectory

@@ -3,7 +3,7 @@
 An auto service is `python -m sandbox serve` / `python -m retriever serve` on a free loopback port, its
 output in `<run_dir>/logs/<name>.log`; `services.sandbox_replicas` sandboxes share a run's code calls
 (tools.Replicas sends them round-robin). With `services.on_ray` each auto service runs in a Ray actor
-instead (placement.RayService), spread over the cluster's nodes and bound to its node's address, the
+instead (RayService), spread over the cluster's nodes and bound to its node's address, the
 sandbox then behind a token the run generates. `start` waits until `/health` answers; a service that exits or
 does not answer in time fails the run at once, naming the service and its log. Between steps the trainer
 calls `revive`: a service that died is started again on the same port, so the tool clients' URLs stay
@@ -28,7 +28,7 @@ import httpx
 from agentrl.config import ConfigError
 
 if TYPE_CHECKING:
-    from agentrl.run import ServicesConfig
+    from agentrl.run_config import ServicesConfig
 
 
 def free_port() -> int:
@@ -121,10 +121,7 @@ class Services:
         self.urls: dict[str, str | list[str]] = {}
         self.managed: list[ServiceProcess] = []
         self.sandbox_token = config.sandbox_token
-        if config.on_ray:
-            from agentrl.placement import RayService as make
-        else:
-            make = ServiceProcess
+        make = RayService if config.on_ray else ServiceProcess
         wanted = {"python": ("sandbox", config.sandbox), "search": ("retriever", config.retriever)}
         for tool in tools:
             module, where = wanted[tool]
@@ -176,3 +173,66 @@ class Services:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _ServiceActor:
+    """An auto service (ServiceProcess) started by an actor on its node, bound to the node's
+    address so that the driver and the other nodes reach it."""
+
+    def __init__(self, module: str, args: list[str], log_dir: str, startup_timeout_s: float, name: str,
+                 env: dict[str, str]) -> None:
+        import ray
+
+        self.service = ServiceProcess(module, args, Path(log_dir), startup_timeout_s, name=name,
+                                      host=ray.util.get_node_ip_address(), env=env)
+
+    def url(self) -> str:
+        return self.service.url
+
+    def start(self) -> None:
+        self.service.start()
+
+    def revive(self) -> tuple[bool, int]:
+        return self.service.revive(), self.service.restarts
+
+    def stop(self) -> None:
+        self.service.stop()
+
+
+class RayService:
+    """ServiceProcess's interface over a _ServiceActor; the service actors of a run are spread
+    over the cluster's nodes (Ray's SPREAD strategy)."""
+
+    def __init__(self, module: str, args: list[str], log_dir: Path, startup_timeout_s: float,
+                 name: str | None = None, env: dict[str, str] | None = None) -> None:
+        import ray
+
+        self.module = module
+        self.restarts = 0
+        actor = ray.remote(_ServiceActor).options(num_cpus=1, scheduling_strategy="SPREAD")
+        self.actor = actor.remote(module, args, str(log_dir), startup_timeout_s, name or module, env or {})
+        try:  # Ray waits for a free CPU forever: past the startup timeout, say why
+            self.url: str = ray.get(self.actor.url.remote(), timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.actor)
+            raise ConfigError(f"services.on_ray: the {name or module} actor (a CPU) was not placed within "
+                              f"{startup_timeout_s:g} s; the Ray cluster has no CPU free for it") from None
+
+    def start(self) -> None:
+        import ray
+
+        ray.get(self.actor.start.remote())
+
+    def revive(self) -> bool:
+        import ray
+
+        revived, self.restarts = ray.get(self.actor.revive.remote())
+        return revived
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote())
+        finally:
+            ray.kill(self.actor)

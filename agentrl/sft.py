@@ -27,7 +27,8 @@ from agentrl.algo import AlgoConfig
 from agentrl.config import ConfigError, StrictModel, write_resolved
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack, response_layout
-from agentrl.run import LoggingConfig, MetricsLog, ModelConfig, RunDir
+from agentrl.run_config import LoggingConfig, ModelConfig
+from agentrl.run_dir import MetricsLog, RunDir
 from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
 
@@ -129,11 +130,11 @@ def _trajectory(id_: str, text: str, prompt_ids: list[int], segments: list[Segme
 
 def sft(config: SFTConfig) -> RunDir:
     """Fine-tune `config.model` on `config.data`; resumes from its run dir's latest checkpoint."""
+    from agentrl.build import build_lm, run_tokenizer
     from agentrl.learner.policy import PolicyWorker
-    from agentrl.task import load_tokenizer
-    from agentrl.trainer import PromptSampler, build_lm
+    from agentrl.prompt_order import PromptSampler
 
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path or "", option="model.tokenizer")
+    tokenizer = run_tokenizer(config)
     data = read_trajectories(config.data, tokenizer)
     t = config.trainer
     steps_per_epoch = math.ceil(len(data) / t.batch_size)

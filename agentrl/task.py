@@ -1,215 +1,24 @@
-"""Task specs (tasks/*.yaml) -> dataset rows -> `Prompt`s: the first stage of the data flow.
+"""Task specs -> dataset rows -> `Prompt`s: the first stage of the data flow.
 
-A task spec says what the model is asked and how it is judged, never on what hardware: the dataset and
-its field mapping, the prompt (a raw-text template or chat messages), the tool format and tools, the
-reward by name, and the budgets the rollout (rollout.py) enforces. `load_task()` validates a spec
-(config.py's strict machinery, `--set` overrides included); `Task.rows()` loads, filters, shuffles and
-limits the dataset; `Task.render()` turns a row into the exact text and token ids the model sees.
+The spec's schema is task_spec.py's; this file acts on it. `load_task()` validates a spec (config.py's
+strict machinery, `--set` overrides included); `Task.rows()` loads, filters, shuffles and limits the
+dataset (local .jsonl/.json/.parquet files read here, hub datasets through `datasets`); `Task.render()`
+turns a row into the exact text and token ids the model sees, with the tokenizer `load_tokenizer()` gives.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
-
-from agentrl.config import ConfigError, StrictModel, load_model
+from agentrl.config import ConfigError, load_model
+from agentrl.task_spec import TaskSpec
 from agentrl.types import Prompt
-
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-TOOL_FORMATS = ("torl", "search_r1", "hermes")
-# The tool each single-tool format drives; hermes may drive any of them.
-FORMAT_TOOL = {"torl": "python", "search_r1": "search"}
-KNOWN_TOOLS = ("python", "search")
-
-
-class Fields(StrictModel):
-    """Which dataset columns hold what. The defaults read MATH-style rows."""
-
-    question: str = "problem"
-    answer: str = "answer"
-    solution: str | None = "solution"  # when `answer` is absent or empty: the last \boxed{} of this field
-    id: str | None = None  # None, or a row without this field: the row's position in the file
-
-
-class Condition(StrictModel):
-    field: str
-    op: Literal["eq", "ne", "in", "not_in", "lt", "le", "gt", "ge", "contains"] = "eq"
-    value: Any
-
-    @model_validator(mode="after")
-    def _list_for_membership(self) -> Condition:
-        if self.op in ("in", "not_in") and not isinstance(self.value, list):
-            raise ValueError(f"op {self.op!r} needs a list as value, got {self.value!r}")
-        return self
-
-    def holds(self, row: dict[str, Any]) -> bool:
-        if self.field not in row:
-            return False
-        x, v = row[self.field], self.value
-        if self.op in ("in", "not_in"):
-            return (x in v) == (self.op == "in")
-        if self.op == "contains":
-            try:
-                return v in x
-            except TypeError:  # the row's value holds nothing (a number): it does not contain v
-                return False
-        ops = {"eq": x == v, "ne": x != v}
-        if self.op in ops:
-            return ops[self.op]
-        try:
-            return {"lt": x < v, "le": x <= v, "gt": x > v, "ge": x >= v}[self.op]
-        except TypeError:
-            return False
-
-
-class MadeBy(StrictModel):
-    """The command that writes a spec's local data files, for files a fresh clone does not have (generated,
-    or downloaded). It speaks for `files` only, so a dataset.path changed by --set or a run config does
-    not inherit it."""
-
-    command: str
-    files: str = Field(description='the file it writes, or a directory ending in "/": every file under it')
-
-    def writes(self, path: str) -> bool:
-        made, asked = os.path.abspath(self.files), os.path.abspath(path)
-        return asked.startswith(made + os.sep) if self.files.endswith("/") else asked == made
-
-
-class DatasetSpec(StrictModel):
-    path: str = Field(description="a local .jsonl/.json/.parquet file, or a hub dataset name")
-    made_by: MadeBy | None = None
-    config: str | None = None
-    split: str = "train"
-    fields: Fields = Fields()
-    answer_regex: str | None = None  # the ground truth is group 1 of this pattern in the answer text
-    question_suffix: str | None = None  # appended when the stripped question does not already end with it
-    filter: list[Condition] = []
-    shuffle: bool = False
-    seed: int = 0
-    limit: int | None = Field(default=None, ge=1)
-
-    @property
-    def is_local(self) -> bool:
-        return self.path.endswith(LOCAL_SUFFIXES)
-
-    @model_validator(mode="after")
-    def _regex_compiles(self) -> DatasetSpec:
-        if self.answer_regex is not None:
-            try:
-                if re.compile(self.answer_regex).groups < 1:
-                    raise ValueError("it needs one capture group, e.g. '####\\s*(.+)'")
-            except re.error as e:
-                raise ValueError(f"answer_regex {self.answer_regex!r} is not a valid pattern: {e}") from None
-        return self
-
-
-class Message(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class PromptSpec(StrictModel):
-    """Exactly one of: `template`, raw text the model sees as is (base models, ToRL), or `messages`,
-    rendered with the tokenizer's chat template (instruct models). `{question}` marks the question."""
-
-    template: str | None = None
-    messages: list[Message] | None = None
-
-    @model_validator(mode="after")
-    def _one_form(self) -> PromptSpec:
-        if (self.template is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'template' (raw text) or 'messages' (chat)")
-        texts = [self.template] if self.template is not None else [m.content for m in self.messages or []]
-        if not any("{question}" in t for t in texts):
-            raise ValueError("the prompt must contain the placeholder {question}")
-        return self
-
-
-class ToolsSpec(StrictModel):
-    format: Literal["torl", "search_r1", "hermes"] | None = None  # None: no tools, single-turn
-    names: list[Literal["python", "search"]] = []
-    search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ToolsSpec:
-        if self.format is None and self.names:
-            raise ValueError(f"tools {self.names} need a tool format: one of {', '.join(TOOL_FORMATS)}")
-        if self.format in FORMAT_TOOL and self.names != [FORMAT_TOOL[self.format]]:
-            raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]")
-        if self.format == "hermes" and not self.names:
-            raise ValueError("format 'hermes' needs at least one tool in names")
-        return self
-
-
-class RewardSpec(StrictModel):
-    name: str
-    params: dict[str, Any] = {}
-
-    @model_validator(mode="after")
-    def _known(self) -> RewardSpec:
-        from agentrl.rewards import params_model  # lazy: rewards import the grader
-
-        model = params_model(self.name)
-        try:
-            model.model_validate(self.params)
-        except ValidationError as e:  # name the keys under `params`, and the ones this reward takes
-            problems = []
-            for err in e.errors():
-                loc = ".".join(["params", *(str(p) for p in err["loc"])])
-                if err["type"] == "extra_forbidden":
-                    problems.append(f"unknown key {loc!r}; {self.name} takes: {', '.join(model.model_fields)}")
-                else:
-                    problems.append(f"{loc}: got {err.get('input')!r}: {err['msg']}")
-            raise ValueError("; ".join(problems)) from None
-        return self
-
-
-class Budgets(StrictModel):
-    """Every limit of a trajectory, each one explicit here. Token counts are engine tokens."""
-
-    max_turns: int = Field(default=1, ge=1)  # model generations in one trajectory
-    max_tool_calls: int = Field(default=0, ge=0)
-    max_tokens_per_turn: int | None = Field(default=None, ge=1)
-    max_response_tokens: int = Field(default=1024, ge=1)  # model + observation tokens after the prompt
-    max_prompt_tokens: int | None = Field(default=None, ge=1)  # longer prompts are dropped at load
-    max_context_tokens: int | None = Field(default=None, ge=1)  # prompt + response
-    observation_max_chars: int | None = Field(default=None, ge=2)  # ToRL: keep head and tail halves
-    observation_max_tokens: int | None = Field(default=None, ge=1)  # tool output cut to fit (rollout._fitted)
-
-
-class TaskSpec(StrictModel):
-    name: str
-    description: str = ""
-    dataset: DatasetSpec
-    prompt: PromptSpec
-    tools: ToolsSpec = ToolsSpec()
-    reward: RewardSpec
-    budgets: Budgets = Budgets()
-
-    @model_validator(mode="after")
-    def _budgets_fit_tools(self) -> TaskSpec:
-        b = self.budgets
-        if self.tools.format is not None and b.max_tool_calls == 0:
-            raise ValueError("budgets.max_tool_calls is 0 but the task has tools; set it to at least 1")
-        if b.max_tool_calls >= b.max_turns:
-            raise ValueError(
-                f"budgets.max_turns ({b.max_turns}) must exceed max_tool_calls ({b.max_tool_calls}): "
-                "the model needs a turn after its last tool call to answer"
-            )
-        if b.observation_max_chars is not None and self.tools.format != "torl":
-            raise ValueError(f"budgets.observation_max_chars is ToRL's head-and-tail cut; the {self.tools.format} "
-                             "format does not apply it: use budgets.observation_max_tokens")
-        if b.max_context_tokens and b.max_prompt_tokens and b.max_prompt_tokens >= b.max_context_tokens:
-            raise ValueError("budgets.max_prompt_tokens must be below max_context_tokens")
-        return self
 
 
 class DataNotPrepared(ConfigError):

@@ -53,7 +53,7 @@ def main() -> None:
 
 
 def _one(setting: str, seed: int, steps: int, out: Path) -> dict:
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import train
 
     parts = setting.split(":")

@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from agentrl.learner.fsdp import free_port
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
     from tests.gpu.test_trainer_gpu import gpu_run_config
 

@@ -38,7 +38,7 @@ def _model_turns(row: dict) -> list[str]:
 
 
 def resume_matches(tmp: Path, seeds: bool, prompts: int, n: int) -> dict[str, float]:
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import train
     from tests.gpu.test_trainer_gpu import gpu_run_config
 

@@ -52,7 +52,8 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from retriever.build import BuildConfig, build  # noqa: E402
+from retriever.build import build  # noqa: E402
+from retriever.build_config import BuildConfig  # noqa: E402
 from retriever.manifest import read_manifest  # noqa: E402
 from retriever.reindex import reindex  # noqa: E402
 from retriever.synthetic import SyntheticCorpus  # noqa: E402

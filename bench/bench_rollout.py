@@ -36,7 +36,7 @@ from agentrl.engine.pool import EnginePool
 from agentrl.engine.process import ProcessEngine
 from agentrl.engine.vllm import VLLMEngine, vllm_processes
 from agentrl.rollout import RolloutConfig, rollout
-from agentrl.task import Budgets
+from agentrl.task_spec import Budgets
 from agentrl.tools.formats import Calls, ToolFormat
 from agentrl.types import Prompt, ToolCall, ToolResult
 

@@ -37,7 +37,7 @@ def main() -> None:
     os.environ["AGENTRL_TOKENIZER"] = args.tokenizer
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
     from tests.gpu.test_trainer_gpu import gpu_run_config
 

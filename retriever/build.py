@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,9 @@ import numpy as np
 
 from retriever import bm25
 from retriever.analyzer import ANALYZER
-from retriever.corpus import DEFAULT_MAX_PASSAGE_CHARS, sha256_of
-from retriever.encoder import DEFAULT_ENCODER, EncoderSpec, resolve_encoder
+from retriever.build_config import BuildConfig
+from retriever.corpus import sha256_of
+from retriever.encoder import EncoderSpec, resolve_encoder
 from retriever.errors import RetrieverError
 from retriever.ingest import (
     EMBEDDINGS_DIR,
@@ -62,34 +63,6 @@ from retriever.manifest import (
     write_manifest,
 )
 from retriever.outdir import build_lock, check_replaceable
-
-
-@dataclass(frozen=True)
-class BuildConfig:
-    corpus: Path
-    out: Path
-    index_type: str
-    encoder: str = DEFAULT_ENCODER
-    pooling: str | None = None
-    prefix_style: str = "auto"
-    query_prefix: str | None = None
-    passage_prefix: str | None = None
-    max_length: int = 256
-    batch_size: int | None = None
-    device: str | None = None
-    precision: str = "auto"  # encoder compute dtype: encoder.resolve_precision
-    shard_size: int = 16384
-    skip_bad: bool = False
-    max_passage_chars: int = DEFAULT_MAX_PASSAGE_CHARS  # each string field of a row is cut to this
-    restart: bool = False
-    overwrite: bool = False
-    keep_embeddings: bool = False
-    use_gpu: bool = True
-    threads: int | None = None  # CPU threads for torch and faiss (default: all cores)
-    index_params: dict[str, Any] = field(default_factory=dict)
-    k1: float = bm25.DEFAULT_K1
-    b: float = bm25.DEFAULT_B
-    progress: bool = True
 
 
 def _log(cfg: BuildConfig, message: str) -> None:

@@ -9,7 +9,7 @@ index with searcher.py, then runs server.py's app under uvicorn.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -31,6 +31,7 @@ OptStr = Optional[str]  # noqa: UP045
 PRECISION_HELP = ("Encoder compute dtype: auto (fp16 on GPU, bf16 on CPUs with AMX / AVX512-BF16, else fp32) | "
                   "float32 | bfloat16 | float16.")
 OptPath = Optional[Path]  # noqa: UP045
+INDEX_PARAMS = ("hnsw_m", "ef_construction", "ef_search", "nlist", "pq_m", "pq_nbits", "nprobe", "train_size")
 
 
 def _fail(message: str) -> typer.Exit:
@@ -76,39 +77,38 @@ def build(
     quiet: Annotated[bool, Opt(help="No progress bar or messages.")] = False,
 ) -> None:
     """Build an index directory from a corpus (streaming, resumable, atomic)."""
+    options = dict(locals())  # every option above, by name: nothing else is bound yet
     from retriever.errors import RetrieverError
 
-    params = {
-        "hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist,
-        "pq_m": pq_m, "pq_nbits": pq_nbits, "nprobe": nprobe, "train_size": train_size,
-    }  # fmt: skip
     try:
-        if from_index is not None:
-            from retriever.reindex import reindex
-
-            if corpus is not None:
-                raise RetrieverError("give --corpus or --from-index, not both")
-            manifest = reindex(from_index, out, index, params, use_gpu=gpu, overwrite=overwrite, threads=threads)
-            if not quiet:
-                typer.echo(f"wrote {out}: {manifest.index_type} over the vectors of {from_index}", err=True)
-            return
-        if corpus is None:
-            raise RetrieverError("--corpus is required (or --from-index DIR)")
-        from retriever.build import BuildConfig
-        from retriever.build import build as run_build
-
-        run_build(
-            BuildConfig(
-                corpus=corpus, out=out, index_type=index, encoder=encoder, pooling=pooling, prefix_style=prefix_style,
-                query_prefix=query_prefix, passage_prefix=passage_prefix, max_length=max_length,
-                batch_size=batch_size, device=device, precision=precision, shard_size=shard_size, skip_bad=skip_bad,
-                max_passage_chars=max_passage_chars, restart=restart,
-                overwrite=overwrite, keep_embeddings=keep_embeddings, use_gpu=gpu, threads=threads, index_params=params, k1=k1,
-                b=b, progress=not quiet,
-            )
-        )  # fmt: skip
+        _build(**options)
     except RetrieverError as e:
         raise _fail(str(e)) from None
+
+
+def _build(out: Path, corpus: Path | None, from_index: Path | None, index: str, gpu: bool, overwrite: bool,
+           threads: int | None, quiet: bool, **knobs: Any) -> None:
+    """`build`'s work: reindex.py over --from-index's vectors, else build.py over --corpus. Of the other
+    options (`knobs`), INDEX_PARAMS are the index's parameters and the rest BuildConfig's fields."""
+    from retriever.errors import RetrieverError
+
+    params = {name: knobs.pop(name) for name in INDEX_PARAMS}
+    if from_index is not None:
+        from retriever.reindex import reindex
+
+        if corpus is not None:
+            raise RetrieverError("give --corpus or --from-index, not both")
+        manifest = reindex(from_index, out, index, params, use_gpu=gpu, overwrite=overwrite, threads=threads)
+        if not quiet:
+            typer.echo(f"wrote {out}: {manifest.index_type} over the vectors of {from_index}", err=True)
+        return
+    if corpus is None:
+        raise RetrieverError("--corpus is required (or --from-index DIR)")
+    from retriever.build import build as run_build
+    from retriever.build_config import BuildConfig
+
+    run_build(BuildConfig(corpus=corpus, out=out, index_type=index, overwrite=overwrite, use_gpu=gpu,
+                          threads=threads, index_params=params, progress=not quiet, **knobs))
 
 
 @app.command()

@@ -1,13 +1,13 @@
 """Streaming the corpus into a partial build: the resumable state, the shards, and what the rows were like.
 
-`ingest_corpus` reads the corpus (corpus.py) in shards of `shard_size` passages. For each shard it writes
-the embeddings (`shards/NNNNN.npy`) or BM25 token ids (`tokens/`), a 64-bit hash of each passage's id
-(`ids/NNNNN.npy`, for counting duplicate ids at the end without holding the ids), flushes the docs store,
-and only then advances `build_state.json` (corpus byte offset, rows, hash of the bytes read, and the
-counts of skipped, truncated and empty rows with their first lines). A rerun continues after the last
-committed shard, re-reading (and so re-checking) the bytes before it. A build whose corpus was read to
-the end is read again on a rerun too: the prefix hash proves it unchanged, and rows appended since are
-added rather than silently left out. build.py drives it and indexes the shards; reindex.py reads
+`ingest_corpus` reads the corpus (corpus.py) in shards of `shard_size` passages. For each shard, its
+`_ShardWriter` writes the embeddings (`shards/NNNNN.npy`) or BM25 token ids (`tokens/`), a 64-bit hash of
+each passage's id (`ids/NNNNN.npy`, for counting duplicate ids at the end without holding the ids), flushes
+the docs store, and only then advances `build_state.json` (corpus byte offset, rows, hash of the bytes
+read, and the counts of skipped, truncated and empty rows with their first lines). A rerun continues after
+the last committed shard, re-reading (and so re-checking) the bytes before it. A build whose corpus was
+read to the end is read again on a rerun too: the prefix hash proves it unchanged, and rows appended since
+are added rather than silently left out. build.py drives it and indexes the shards; reindex.py reads
 embeddings kept by `--keep-embeddings` through `shard_reader` and `shard_sampler`.
 """
 
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from retriever import bm25
-from retriever.corpus import CorpusReader
+from retriever.corpus import CorpusLine, CorpusReader
 from retriever.docstore import DocStore, DocStoreWriter
 from retriever.errors import RetrieverError
 from retriever.manifest import atomic_write_text
 
 if TYPE_CHECKING:
-    from retriever.build import BuildConfig
+    from retriever.build_config import BuildConfig
     from retriever.encoder import EncoderSpec
 
 STATE_FILE = "build_state.json"
@@ -113,52 +113,7 @@ def _save_npy(directory: Path, name: str, array: np.ndarray) -> None:
 
 def ingest_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state: BuildState, log) -> None:
     """Stream the corpus into shards after the last committed one, committing the state after each."""
-    from tqdm import tqdm
-
-    shard_dir = work / (SHARDS_DIR if spec is not None else TOKENS_DIR)
-    ids_dir = work / IDS_DIR
-    for directory in (shard_dir, ids_dir):
-        directory.mkdir(exist_ok=True)
-    encoder = None  # loaded at the first shard: a rerun that finds nothing new never loads the model
-    tokenizer = None
-    if spec is None:
-        tokenizer = bm25.new_tokenizer(word_to_id=load_vocab(work / VOCAB_LOG, state.vocab_terms, state.vocab_bytes))
-    corpus_bytes = cfg.corpus.stat().st_size if cfg.corpus.is_file() else 0
-    docs = DocStoreWriter(work, rows=state.rows, nbytes=state.docs_bytes)
-    bar = tqdm(desc=f"encode {cfg.index_type}", unit="passage", initial=state.rows, disable=not cfg.progress, smoothing=0.1)
-    session_started, session_rows, encode_before = time.time(), state.rows, state.encode_seconds
-    texts: list[str] = []
-    hashes: list[int] = []
-    pending: list[tuple[str, str]] = []  # rows noted since the last commit: a resumed build reads them again
-
-    def commit(reader: CorpusReader) -> None:
-        nonlocal encoder
-        if corpus_bytes and reader.offset:  # the bar's total, from the mean bytes per passage so far
-            bar.total = max(state.rows + len(texts), round(corpus_bytes * reader.row / reader.offset))
-        name = f"{state.shards:05d}"
-        if spec is not None:
-            if encoder is None:
-                from retriever.encoder import DenseEncoder
-
-                encoder = DenseEncoder(spec, device=cfg.device, batch_size=cfg.batch_size, threads=cfg.threads,
-                                       precision=cfg.precision)
-            _save_npy(shard_dir, name, encoder.encode(texts, "passage", on_batch=bar.update))
-        else:
-            bm25.save_shard(shard_dir, state.shards, *bm25.tokenize_passages(tokenizer, texts))
-            state.vocab_terms, state.vocab_bytes = append_vocab(
-                work / VOCAB_LOG, tokenizer.word_to_id, state.vocab_terms, state.vocab_bytes)
-            bar.update(len(texts))
-        _save_npy(ids_dir, name, np.array(hashes, dtype=np.uint64))
-        state.rows, state.docs_bytes = docs.commit()
-        state.encode_seconds = encode_before + time.time() - session_started
-        state.shards += 1
-        state.corpus_offset, state.corpus_line, state.corpus_row = reader.offset, reader.line_no, reader.row
-        state.prefix_sha256 = reader.sha256()
-        state.note(pending)
-        atomic_write_json(work / STATE_FILE, asdict(state))
-        texts.clear()
-        hashes.clear()
-
+    shards = _ShardWriter(cfg, spec, work, state)
     try:
         with open(cfg.corpus, "rb") as stream:
             reader = CorpusReader(
@@ -166,31 +121,113 @@ def ingest_corpus(cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state:
                 start_line=state.corpus_line, start_row=state.corpus_row, prefix_sha256=state.prefix_sha256,
             )  # fmt: skip
             for line in reader:
-                passage = line.passage
-                if passage is None:
-                    pending.append(("skipped", line.error or ""))
-                    continue
-                if passage.truncated:
-                    pending.append(("truncated", f"corpus line {reader.line_no}"))
-                if passage.empty:
-                    pending.append(("empty", f"corpus line {reader.line_no}"))
-                texts.append(passage.contents)
-                hashes.append(id_hash(passage.id))
-                docs.append(passage.to_json_line())
-                if len(texts) == cfg.shard_size:
-                    commit(reader)
-            if texts:
-                commit(reader)
-            state.corpus_offset, state.prefix_sha256 = reader.offset, reader.sha256()
-            state.note(pending)  # skipped lines after the last passage
+                shards.add(line, reader)
+            shards.finish(reader)
     finally:
-        docs.close()
-        bar.close()
+        shards.close()
     state.encoded = True
     atomic_write_json(work / STATE_FILE, asdict(state))
-    if state.rows > session_rows:
-        rate = (state.rows - session_rows) / max(time.time() - session_started, 1e-9)
-        log(f"read {state.rows} passages in {state.shards} shards ({rate:.1f} passages/s this run)")
+    shards.report(log)
+
+
+class _ShardWriter:
+    """One run of `ingest_corpus`: the passages read since the last commit, and how a shard is committed."""
+
+    def __init__(self, cfg: BuildConfig, spec: EncoderSpec | None, work: Path, state: BuildState) -> None:
+        from tqdm import tqdm
+
+        self.cfg, self.spec, self.work, self.state = cfg, spec, work, state
+        self.shard_dir = work / (SHARDS_DIR if spec is not None else TOKENS_DIR)
+        self.ids_dir = work / IDS_DIR
+        for directory in (self.shard_dir, self.ids_dir):
+            directory.mkdir(exist_ok=True)
+        self.encoder = None  # loaded at the first shard: a rerun that finds nothing new never loads the model
+        self.tokenizer = None
+        if spec is None:
+            self.tokenizer = bm25.new_tokenizer(
+                word_to_id=load_vocab(work / VOCAB_LOG, state.vocab_terms, state.vocab_bytes))
+        self.corpus_bytes = cfg.corpus.stat().st_size if cfg.corpus.is_file() else 0
+        self.docs = DocStoreWriter(work, rows=state.rows, nbytes=state.docs_bytes)
+        self.bar = tqdm(desc=f"encode {cfg.index_type}", unit="passage", initial=state.rows,
+                        disable=not cfg.progress, smoothing=0.1)
+        self.started, self.start_rows, self.encode_before = time.time(), state.rows, state.encode_seconds
+        self.texts: list[str] = []
+        self.hashes: list[int] = []
+        self.pending: list[tuple[str, str]] = []  # noted since the last commit: a resume reads them again
+
+    def add(self, line: CorpusLine, reader: CorpusReader) -> None:
+        """Take one corpus line: its passage, or a note of why it has none; commit the shard once full."""
+        passage = line.passage
+        if passage is None:
+            self.pending.append(("skipped", line.error or ""))
+            return
+        if passage.truncated:
+            self.pending.append(("truncated", f"corpus line {reader.line_no}"))
+        if passage.empty:
+            self.pending.append(("empty", f"corpus line {reader.line_no}"))
+        self.texts.append(passage.contents)
+        self.hashes.append(id_hash(passage.id))
+        self.docs.append(passage.to_json_line())
+        if len(self.texts) == self.cfg.shard_size:
+            self.commit(reader)
+
+    def commit(self, reader: CorpusReader) -> None:
+        """Write the shard's embeddings or token ids and its id hashes, flush the docs store, and only then
+        advance the build state."""
+        state = self.state
+        if self.corpus_bytes and reader.offset:  # the bar's total, from the mean bytes per passage so far
+            estimate = round(self.corpus_bytes * reader.row / reader.offset)
+            self.bar.total = max(state.rows + len(self.texts), estimate)
+        name = f"{state.shards:05d}"
+        if self.spec is not None:
+            self._write_embeddings(name)
+        else:
+            self._write_tokens()
+        _save_npy(self.ids_dir, name, np.array(self.hashes, dtype=np.uint64))
+        state.rows, state.docs_bytes = self.docs.commit()
+        state.encode_seconds = self.encode_before + time.time() - self.started
+        state.shards += 1
+        state.corpus_offset, state.corpus_line, state.corpus_row = reader.offset, reader.line_no, reader.row
+        state.prefix_sha256 = reader.sha256()
+        state.note(self.pending)
+        atomic_write_json(self.work / STATE_FILE, asdict(state))
+        self.texts.clear()
+        self.hashes.clear()
+
+    def _write_embeddings(self, name: str) -> None:
+        if self.encoder is None:
+            from retriever.encoder import DenseEncoder
+
+            cfg = self.cfg
+            self.encoder = DenseEncoder(self.spec, device=cfg.device, batch_size=cfg.batch_size,
+                                        threads=cfg.threads, precision=cfg.precision)
+        _save_npy(self.shard_dir, name, self.encoder.encode(self.texts, "passage", on_batch=self.bar.update))
+
+    def _write_tokens(self) -> None:
+        state = self.state
+        bm25.save_shard(self.shard_dir, state.shards, *bm25.tokenize_passages(self.tokenizer, self.texts))
+        state.vocab_terms, state.vocab_bytes = append_vocab(
+            self.work / VOCAB_LOG, self.tokenizer.word_to_id, state.vocab_terms, state.vocab_bytes)
+        self.bar.update(len(self.texts))
+
+    def finish(self, reader: CorpusReader) -> None:
+        """At the corpus's end: commit the rows left over, then note the corpus read to its end (offset, hash)
+        and the lines skipped after its last passage."""
+        if self.texts:
+            self.commit(reader)
+        self.state.corpus_offset, self.state.prefix_sha256 = reader.offset, reader.sha256()
+        self.state.note(self.pending)
+
+    def close(self) -> None:
+        self.docs.close()
+        self.bar.close()
+
+    def report(self, log) -> None:
+        """Log this run's reading rate, if it read anything."""
+        state = self.state
+        if state.rows > self.start_rows:
+            rate = (state.rows - self.start_rows) / max(time.time() - self.started, 1e-9)
+            log(f"read {state.rows} passages in {state.shards} shards ({rate:.1f} passages/s this run)")
 
 
 def count_duplicate_ids(work: Path, n_shards: int) -> tuple[int, list[str]]:

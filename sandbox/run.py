@@ -22,20 +22,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sandbox.program import SETUP_FAILED
 from sandbox.settings import Settings
-
-if TYPE_CHECKING:
-    from sandbox.worker import Zygote
+from sandbox.worker import Zygote, ZygoteDied, limits_for
 
 GRACE_S = 10.0  # beyond the run's own time, how long its setup, teardown and report may take
 F_SETPIPE_SZ = 1031
-
-
-class ZygoteDied(Exception):
-    """The worker's zygote exited (or was stopped) while a run depended on it."""
 
 
 @dataclass
@@ -135,22 +129,6 @@ class OutputCapture:
             self.fd = -1
         if not self.done.done():
             self.done.set_result(None)
-
-
-def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: bool,
-               cgroup_memory: bool) -> dict[str, Any]:
-    return {
-        "cpu_s": timeout_s + 1,
-        "memory_mb": memory_mb,
-        "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
-        # The next run's prepared process shares the uid (+1); in the single-uid fallback the zygote and the
-        # supervisors do too.
-        "nproc": settings.max_processes + (5 if map_self else 1),
-        "nofile": settings.max_open_files,
-        "fsize_mb": settings.max_file_size_mb,
-        "fetch_bytes": settings.max_fetch_bytes,
-        "request_bytes": settings.max_request_bytes + (1 << 20),
-    }
 
 
 def open_channels(settings: Settings, host_uid: int | None,

@@ -1,15 +1,17 @@
 """The HTTP service: SandboxFusion-compatible `POST /run_code`, `GET /health`, and `/sessions`.
 
-`create_app(settings)` builds the FastAPI app around a backend (backend.py). This module is the input
-boundary: bodies over `max_request_bytes` and code over `max_code_bytes` -> 413, malformed or mistyped
-fields -> 422 naming the field (a memory budget under the floor too), an unsupported language -> 400,
-`files` that do not fit a run's /tmp (inodes, bytes, the file size limit, the memory budget that counts
-them) or a request that does not fit the run's memory budget -> 413 naming the sizes and the limit, a
-missing or wrong bearer token -> 401, every worker busy with a full queue -> 503 with Retry-After, too
-many sessions -> 429. Session calls get the same checks against their session's budget. A client's
-mistake is never answered as SandboxError, which means the service failed. A client that disconnects
-mid-run gets its run killed. Run outcomes map onto SandboxFusion's statuses (`to_response`). Sessions
-are reached only through the id their creator received (sessions.py); GET /sessions gives counts.
+`create_app(settings)` builds the FastAPI app around a backend (backend.py): the settings and the backend
+are the state its routes share, added in groups (health, runs, sessions) by the `_add_*` functions, and
+ERROR_HANDLERS maps exceptions to answers. This module is the input boundary: bodies over
+`max_request_bytes` and code over `max_code_bytes` -> 413, malformed or mistyped fields -> 422 naming the
+field (a memory budget under the floor too), an unsupported language -> 400, `files` that do not fit a
+run's /tmp (inodes, bytes, the file size limit, the memory budget that counts them) or a request that does
+not fit the run's memory budget -> 413 naming the sizes and the limit, a missing or wrong bearer token ->
+401, every worker busy with a full queue -> 503 with Retry-After, too many sessions -> 429. Session calls
+get the same checks against their session's budget. A client's mistake is never answered as SandboxError,
+which means the service failed. A client that disconnects mid-run gets its run killed. Run outcomes map
+onto SandboxFusion's statuses (`to_response`). Sessions are reached only through the id their creator
+received (sessions.py); GET /sessions gives counts.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from sandbox.supervisor import inodes_for
 
 log = logging.getLogger("sandbox.server")
 T = TypeVar("T")
+Authorize = Callable[[Request], Awaitable[None]]  # the bearer-token check, see _authorizer
 
 
 class HTTPError(Exception):
@@ -135,6 +138,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
+    """The service around `backend` (by default the one `settings` picks). The settings and the backend are
+    all the state the routes share; the lifespan starts and stops the backend."""
     backend = backend or make_backend(settings)
 
     @asynccontextmanager
@@ -144,8 +149,18 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
         yield
         await backend.stop()
 
-    app = FastAPI(title="agentrl sandbox", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="agentrl sandbox", version="0.1.0", lifespan=lifespan,
+                  exception_handlers=ERROR_HANDLERS)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    authorized = _authorizer(settings)
+    _add_health_route(app, backend)
+    _add_run_route(app, settings, backend, authorized)
+    _add_session_routes(app, settings, backend, authorized)
+    return app
+
+
+def _authorizer(settings: Settings) -> Authorize:
+    """The bearer-token check (none without a token): /run_code awaits it, the session routes depend on it."""
 
     async def authorized(request: Request) -> None:
         if settings.token is None:
@@ -154,35 +169,48 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
             raise HTTPError(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, exc.status, headers=exc.headers)
+    return authorized
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-        # not the offending input: it need not be JSON (1e400 parses as inf) and the client has it
-        detail = jsonable_encoder([{k: v for k, v in e.items() if k != "input"} for e in errors])
-        return JSONResponse({"detail": detail, "message": f"invalid request: {fields}"}, 422)
 
-    @app.exception_handler(Overloaded)
-    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-        return JSONResponse({"detail": f"sandbox overloaded: {exc}"}, 503, headers={"Retry-After": "1"})
+async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    return JSONResponse({"detail": exc.detail}, exc.status, headers=exc.headers)
 
-    @app.exception_handler(SessionError)
-    async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
-        headers = {"Retry-After": "5"} if exc.status in (429, 503) else None
-        return JSONResponse({"detail": str(exc)}, exc.status, headers=headers)
 
-    @app.exception_handler(ClientGone)
-    async def _gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it; the run was killed
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+    # not the offending input: it need not be JSON (1e400 parses as inf) and the client has it
+    detail = jsonable_encoder([{k: v for k, v in e.items() if k != "input"} for e in errors])
+    return JSONResponse({"detail": detail, "message": f"invalid request: {fields}"}, 422)
 
+
+async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+    return JSONResponse({"detail": f"sandbox overloaded: {exc}"}, 503, headers={"Retry-After": "1"})
+
+
+async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
+    headers = {"Retry-After": "5"} if exc.status in (429, 503) else None
+    return JSONResponse({"detail": str(exc)}, exc.status, headers=headers)
+
+
+async def _gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=499)  # nobody reads it; the run was killed
+
+
+# How an exception raised while answering a request is answered (the statuses: the module docstring).
+ERROR_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
+    HTTPError: _http_error, RequestValidationError: _invalid, Overloaded: _overloaded,
+    SessionError: _session_error, ClientGone: _gone,
+}  # fmt: skip
+
+
+def _add_health_route(app: FastAPI, backend: Backend) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "backend": backend.name, **backend.status()}
 
+
+def _add_run_route(app: FastAPI, settings: Settings, backend: Backend, authorized: Authorize) -> None:
     # The hot path: the body is validated by pydantic-core straight from bytes and the answer serialised
     # the same way, skipping FastAPI's dependency and response-model machinery (about half of this
     # service's own time per request); the schema still shows in /docs.
@@ -205,6 +233,8 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
             raise HTTPError(413, outcome.refused)
         return Response(to_response(outcome).model_dump_json(), media_type="application/json")
 
+
+def _add_session_routes(app: FastAPI, settings: Settings, backend: Backend, authorized: Authorize) -> None:
     def sessions() -> SessionManager:
         if backend.sessions is None:
             raise HTTPError(400, f"sessions are not available with the {backend.name} backend "
@@ -245,8 +275,6 @@ def create_app(settings: Settings, backend: Backend | None = None) -> FastAPI:
     async def count_sessions() -> dict[str, Any]:
         # counts only: a session is reachable through its id alone, which only its creator received
         return sessions().status()
-
-    return app
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -29,10 +29,10 @@ from typing import Any
 
 from sandbox.cgroups import CgroupSet
 from sandbox.models import SessionRunRequest
-from sandbox.run import Outcome, OutputCapture, ZygoteDied, check_files_and_time, limits_for, open_channels
+from sandbox.run import Outcome, OutputCapture, check_files_and_time, open_channels
 from sandbox.settings import Settings
 from sandbox.wire import FRAME_HEADER, encode_frame
-from sandbox.worker import Zygote
+from sandbox.worker import Zygote, ZygoteDied, limits_for
 
 INTERRUPT_GRACE_S = 2.0
 

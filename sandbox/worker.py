@@ -31,7 +31,6 @@ from sandbox import libc
 from sandbox.cgroups import CgroupSet
 from sandbox.program import run_environment
 from sandbox.rootfs import RootSpec
-from sandbox.run import ZygoteDied, limits_for
 from sandbox.settings import MB, Settings
 from sandbox.wire import recv_msg, send_msg
 
@@ -45,6 +44,26 @@ STARTUP_TIMEOUT_S = 180.0
 ZYGOTE_OVERHEAD_MB = 384  # the zygote's own resident memory, counted in its cgroup next to the run's
 _incarnations = itertools.count(1)
 CAP_SYS_RESOURCE = 24
+
+
+class ZygoteDied(Exception):
+    """The worker's zygote exited (or was stopped) while a run depended on it."""
+
+
+def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: bool,
+               cgroup_memory: bool) -> dict[str, Any]:
+    return {
+        "cpu_s": timeout_s + 1,
+        "memory_mb": memory_mb,
+        "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
+        # The next run's prepared process shares the uid (+1); in the single-uid fallback the zygote and the
+        # supervisors do too.
+        "nproc": settings.max_processes + (5 if map_self else 1),
+        "nofile": settings.max_open_files,
+        "fsize_mb": settings.max_file_size_mb,
+        "fetch_bytes": settings.max_fetch_bytes,
+        "request_bytes": settings.max_request_bytes + (1 << 20),
+    }
 
 
 class Zygote:

@@ -31,27 +31,25 @@ def test_flatten_groups() -> None:
     assert groups.tolist() == [0, 0, 1]
 
 
-def test_dynamic_sampler_keeps_informative_groups_across_rounds() -> None:
+def test_dynamic_sampler_keeps_informative_groups_as_they_arrive() -> None:
     assert is_informative(_group("a", [1.0, 0.0]))
     assert not is_informative(_group("b", [1.0, 1.0]))
     assert not is_informative(_group("c", [0.3]))
     sampler = DynamicSampler(target_groups=3, max_rounds=3)
-    assert sampler.add([_group("a", [1, 0]), _group("b", [1, 1]), _group("c", [0, 0])]) == 1
-    assert not sampler.full and sampler.needed == 2 and not sampler.exhausted
-    assert sampler.add([_group("d", [0, 1]), _group("e", [1, 0]), _group("f", [0.2, 0.9])]) == 3
-    assert sampler.full
-    assert sampler.stats()["rollout/informative_group_frac"] == pytest.approx(4 / 6)
-    batch = sampler.take()
-    assert [g.prompt.id for g in batch] == ["a", "d", "e"]  # surplus dropped, order kept
-    assert sampler.stats()["rollout/informative_group_frac"] == pytest.approx(4 / 6)  # as the trainer reads it
+    kept = [g.prompt.id for g in (_group("a", [1, 0]), _group("b", [1, 1]), _group("c", [0, 0]), _group("d", [0, 1]))
+            if sampler.offer(g)]
+    assert kept == ["a", "d"] and not sampler.exhausted
+    assert sampler.stats() == {"rollout/dynamic_sampling_rounds": 2.0,  # 4 groups seen: two steps' worth of 3
+                               "rollout/informative_group_frac": pytest.approx(2 / 4)}
 
 
-def test_dynamic_sampler_exhausts() -> None:
+def test_dynamic_sampler_exhausts_after_max_rounds_of_groups() -> None:
     sampler = DynamicSampler(target_groups=2, max_rounds=2)
-    sampler.add([_group("a", [1, 1])])
-    sampler.add([_group("b", [1, 0])])
-    assert sampler.exhausted and not sampler.full
-    assert [g.prompt.id for g in sampler.take()] == ["b"]
+    for i in range(3):
+        assert not sampler.offer(_group(str(i), [1, 1]))
+        assert not sampler.exhausted
+    assert sampler.offer(_group("b", [1, 0])) and sampler.exhausted  # 4 = 2 rounds x 2 groups seen
+    assert sampler.stats()["rollout/dynamic_sampling_rounds"] == 2.0
 
 
 def test_overlong_penalty_golden() -> None:

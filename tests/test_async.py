@@ -83,7 +83,7 @@ def test_an_engine_out_of_context_ends_the_completion_instead_of_being_asked_aga
 
 
 def test_the_trajectory_carries_each_version_on_its_own_segment(tok):
-    from agentrl.task import Budgets
+    from agentrl.task_spec import Budgets
     from agentrl.tools.formats import build_format
 
     b = TrajectoryBuilder(Prompt("p", "q", (1, 2, 3), "", ""), 0, build_format("torl", tokenizer=tok),
@@ -174,7 +174,8 @@ class HoldSecondTurn:
 
 
 def test_a_group_past_the_staleness_bound_is_dropped_and_counted(tmp_path):
-    from agentrl.trainer import PromptSampler, Trainer
+    from agentrl.prompt_order import PromptSampler
+    from agentrl.trainer import Trainer
 
     cfg = config(tmp_path, *_sets("trainer.steps=4", "trainer.mode=async", "trainer.max_staleness=1"), name="held")
     trainer = Trainer(cfg, engine=ScriptedEngine(load_tokenizer("configs/tiny_tokenizer"), [CODE_TURN, "\\boxed{42}"]))

@@ -148,7 +148,7 @@ def test_the_engine_window_caps_a_rollout(model_and_tok):
     """With no max_context_tokens in the budgets, the engine's window (max_position_embeddings) bounds each
     trajectory: it ends as context_limit at the window instead of asking the engine for more."""
     from agentrl.rollout import RolloutConfig, rollout
-    from agentrl.task import Budgets
+    from agentrl.task_spec import Budgets
     from agentrl.tools.formats import TorlFormat
     from agentrl.types import Prompt, StopReason
 

@@ -308,8 +308,8 @@ def test_fused_gradient_accumulation_is_fsdps_to_the_bit(compiled: bool) -> None
 def test_the_schedule_counts_trainer_steps_whatever_the_mini_batches(monkeypatch) -> None:
     """Cosine over 8 trainer steps of 4 mini-batches each (4 optimizer steps a step), 2 of warmup: every
     step's actor/lr and critic/lr is the formula's at that step, above zero until the last."""
-    from agentrl.run import load_run_config
-    from agentrl.trainer import Learner
+    from agentrl.learn import Learner
+    from agentrl.run_config import load_run_config
     from agentrl.types import Group
     from tests.conftest import REPO
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from agentrl.cli import app
 from agentrl.config import ConfigError
 from agentrl.lim import epoch_accuracies, lim_scores, select
-from agentrl.run import load_run_config
+from agentrl.run_config import load_run_config
 from agentrl.trainer import train
 from tests.conftest import REPO, SHARED, shared_file
 

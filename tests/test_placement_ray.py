@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.learner.fsdp import free_port
-from agentrl.run import load_run_config
+from agentrl.run_config import load_run_config
 from agentrl.trainer import Trainer, train
 from tests.conftest import REPO, ray_token_mode
 
@@ -125,7 +125,7 @@ def test_services_on_ray_run_in_actors_bound_to_their_node_behind_a_token(cluste
 
     import httpx
 
-    from agentrl.run import ServicesConfig
+    from agentrl.run_config import ServicesConfig
     from agentrl.services import Services
     from agentrl.tools import build_tools
     from agentrl.types import ToolCall
@@ -155,7 +155,7 @@ def test_services_on_ray_run_in_actors_bound_to_their_node_behind_a_token(cluste
 
 def test_a_cluster_too_small_for_the_actors_is_an_error_naming_both(cluster, tmp_path):
     from agentrl.config import ConfigError
-    from agentrl.placement import Placement
+    from agentrl.ray_placement import Placement
 
     with pytest.raises(ConfigError, match=r"need 10 CPUs and 0 GPUs \(8 learner ranks, 2 engines.*the Ray cluster has "
                                           r"6 CPUs and 0 GPUs"):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from retriever.analyzer import ANALYZER
-from retriever.build import STATE_FILE, BuildConfig, build, partial_dir
+from retriever.build import STATE_FILE, build, partial_dir
+from retriever.build_config import BuildConfig
 from retriever.docstore import DOCS_FILE, DocStore
 from retriever.errors import RetrieverError
 from retriever.manifest import read_manifest

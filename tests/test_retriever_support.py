@@ -175,7 +175,8 @@ def serve_index(index_dir: Path, mmap: bool = False, precision: str = "float32",
 
 
 def build_index(corpus: Path, out: Path, index_type: str = "flat", **kwargs):
-    from retriever.build import BuildConfig, build
+    from retriever.build import build
+    from retriever.build_config import BuildConfig
 
     kwargs.setdefault("threads", THREADS)
     kwargs.setdefault("precision", "float32")  # exact references; bf16 has its own test

@@ -16,7 +16,7 @@ import pytest
 
 from agentrl.engine import Completion, Sampling, stop_completed_in_last_token
 from agentrl.rollout import RolloutConfig, TrajectoryBuilder, dump_trajectories, rollout, rollout_metrics
-from agentrl.task import Budgets
+from agentrl.task_spec import Budgets
 from agentrl.tools.formats import (
     SEARCH_R1_INVALID,
     HermesFormat,

@@ -20,7 +20,7 @@ import torch
 from agentrl.engine.hf import HFEngine
 from agentrl.rewards import build_reward
 from agentrl.rollout import RolloutConfig, rollout
-from agentrl.task import Budgets
+from agentrl.task_spec import Budgets
 from agentrl.tools.code import CodeTool
 from agentrl.tools.formats import SearchR1Format, TorlFormat
 from agentrl.tools.search import SearchTool

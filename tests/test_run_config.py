@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentrl.config import ConfigError
-from agentrl.run import load_run_config
+from agentrl.run_config import load_run_config
 from tests.conftest import REPO
 
 DEBUG = REPO / "configs" / "debug_cpu.yaml"
@@ -132,7 +132,7 @@ def test_placement_contradictions_are_errors(sets, message):
 
 
 def test_the_layout_places_colocated_engines_on_the_learners_gpus_and_split_ones_apart():
-    from agentrl.placement import Layout
+    from agentrl.ray_placement import Layout
 
     colocated = Layout(load_run_config(REPO / "configs/torl_qwen2.5-math-1.5b.yaml",
                                        ["placement.learner_ranks=2", "placement.engines=2"]))
@@ -148,7 +148,7 @@ def test_the_layout_places_colocated_engines_on_the_learners_gpus_and_split_ones
 
 
 def test_split_engines_sharing_the_learners_gpu_take_an_nccl_host_id_and_the_socket_setting(monkeypatch):
-    from agentrl.placement import SHARED_GPU_SOCKETS, _shared_gpu_nccl
+    from agentrl.ray_placement import SHARED_GPU_SOCKETS, _shared_gpu_nccl
 
     recipe = REPO / "configs/torl_qwen2.5-math-1.5b.yaml"
     shared = load_run_config(recipe, ["placement.mode=split", "placement.share_gpus=true"])

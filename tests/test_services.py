@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from agentrl.run import ServicesConfig
+from agentrl.run_config import ServicesConfig
 from agentrl.services import Services
 from agentrl.tools import Replicas, build_tools
 from agentrl.types import ToolCall

@@ -20,7 +20,7 @@ from agentrl.config import StrictModel
 from agentrl.engine import Completion, Sampling
 from agentrl.learner.packing import pack
 from agentrl.rewards import REWARDS
-from agentrl.run import load_run_config
+from agentrl.run_config import load_run_config
 from agentrl.trainer import Trainer, train
 from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
 from tests.conftest import REPO
@@ -132,12 +132,12 @@ def test_the_engine_samples_from_the_learners_weights_after_a_push(tmp_path):
     prompt = Prompt("p", "", (5, 17, 99, 3), "", "")
     trajectory = Trajectory(prompt, [Segment("model", [250, 41, 7, 300], [0.0] * 4)], StopReason.EOS)
     [batch] = pack([trajectory], 64)
-    learner_R = trainer.policy.compute_logprobs(batch)[0]
+    learner_R = trainer.learner.policy.compute_logprobs(batch)[0]
     with torch.no_grad():
         logits = trainer.engine.model(input_ids=torch.tensor([[5, 17, 99, 3, 250, 41, 7, 300]])).logits[0]
     engine_R = torch.log_softmax(logits.float(), -1)[3:7].gather(1, torch.tensor([[250], [41], [7], [300]]))[:, 0]
     assert torch.allclose(learner_R, engine_R, atol=1e-5)
-    assert trainer.policy.steps == 2  # the weights did move: the comparison is after real updates
+    assert trainer.learner.policy.steps == 2  # the weights did move: the comparison is after real updates
 
 
 class ScriptedEngine:

@@ -1,7 +1,7 @@
 """Group-level choices between the reward and the advantage: DAPO's dynamic sampling and overlong shaping.
 
-The trainer hands rewarded `Group`s (agentrl/types.py) to `DynamicSampler`, which keeps the groups that
-carry a learning signal (rewards not all equal) across generation rounds until a batch is full;
+The trainer offers each rewarded `Group` (agentrl/types.py) to `DynamicSampler`, which keeps the groups
+that carry a learning signal (rewards not all equal) until a step's batch is full;
 `flatten_groups` then gives advantage.py its `rewards_B` and `group_ids_B`. `overlong_penalty` is added to
 rewards before advantages; `keep_untruncated` zeroes the loss of truncated trajectories (applied by the
 packer as a whole-row factor on `Trajectory.loss_mask`, never by rebuilding the mask).
@@ -9,7 +9,7 @@ packer as a whole-row factor on `Trajectory.loss_mask`, never by rebuilding the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -41,52 +41,35 @@ def is_informative(group: Group, tol: float = 1e-6) -> bool:
 
 
 class DynamicSampler:
-    """DAPO dynamic sampling: collect informative groups over generation rounds until `target_groups`.
-
-    Each round the trainer generates more groups and calls `add`; it trains once `full` (taking exactly
-    `target_groups` with `take`, the surplus is dropped) or, when `exhausted` after `max_rounds`, on what
-    there is (`take` then returns fewer). `stats` gives the metrics of the step."""
+    """DAPO dynamic sampling, one step's filter over groups as they arrive: `offer` keeps a group that
+    carries a learning signal (`is_informative`). The step stops taking groups once `target_groups` are kept
+    or, `exhausted`, once it has seen `max_rounds` x `target_groups` (the most that many generation rounds
+    of a step's size would draw). `stats` gives the step's metrics; the rounds are the groups seen in
+    steps' worth, rounded up."""
 
     def __init__(self, target_groups: int, max_rounds: int) -> None:
         if target_groups < 1 or max_rounds < 1:
             raise ValueError("DynamicSampler needs target_groups >= 1 and max_rounds >= 1")
         self.target_groups = target_groups
         self.max_rounds = max_rounds
-        self.rounds = 0
-        self.kept: list[Group] = []
         self.seen = 0
-        self.informative = 0  # of the groups seen (kept ones may be taken, surplus ones dropped)
+        self.informative = 0
 
-    def add(self, groups: Iterable[Group]) -> int:
-        """One generation round's groups; returns how many were kept."""
-        self.rounds += 1
-        before = len(self.kept)
-        for group in groups:
-            self.seen += 1
-            if is_informative(group):
-                self.informative += 1
-                self.kept.append(group)
-        return len(self.kept) - before
-
-    @property
-    def full(self) -> bool:
-        return len(self.kept) >= self.target_groups
+    def offer(self, group: Group) -> bool:
+        """Whether to keep `group`."""
+        self.seen += 1
+        if is_informative(group):
+            self.informative += 1
+            return True
+        return False
 
     @property
     def exhausted(self) -> bool:
-        return self.rounds >= self.max_rounds
-
-    @property
-    def needed(self) -> int:
-        return max(self.target_groups - len(self.kept), 0)
-
-    def take(self) -> list[Group]:
-        batch, self.kept = self.kept[: self.target_groups], []
-        return batch
+        return self.seen >= self.max_rounds * self.target_groups
 
     def stats(self) -> dict[str, float]:
         return {
-            "rollout/dynamic_sampling_rounds": float(self.rounds),
+            "rollout/dynamic_sampling_rounds": float(-(-self.seen // self.target_groups)),
             "rollout/informative_group_frac": self.informative / self.seen if self.seen else 0.0,
         }
 

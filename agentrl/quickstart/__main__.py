@@ -33,7 +33,7 @@ from agentrl.config import write_jsonl
 from agentrl.quickstart import arithmetic, entities, tokenizer
 
 if TYPE_CHECKING:
-    from agentrl.task import TaskSpec
+    from agentrl.task_spec import TaskSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 

@@ -11,21 +11,9 @@ from __future__ import annotations
 import itertools
 from typing import Protocol, runtime_checkable
 
-import httpx
-
+from agentrl.tools.code import CodeTool
+from agentrl.tools.search import SearchTool
 from agentrl.types import ToolCall, ToolResult
-
-
-def http_url(url: str, what: str) -> str:
-    """`url` when a client can send to it (http or https, a host, a numeric port); otherwise a ValueError
-    naming `what`, at configuration time rather than as an exception out of a later `call`."""
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as e:
-        raise ValueError(f"{what}: {url!r} is not a valid URL ({e}); expected e.g. http://127.0.0.1:8000") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{what}: {url!r} needs an http:// or https:// scheme and a host, e.g. http://127.0.0.1:8000")
-    return url
 
 
 @runtime_checkable
@@ -72,9 +60,6 @@ def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3,
     """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, sent
     `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query). A list of URLs is
     one tool over replicas of its service."""
-    from agentrl.tools.code import CodeTool
-    from agentrl.tools.search import SearchTool
-
     clients = {"python": lambda url: CodeTool(url, token=sandbox_token),
                "search": lambda url: SearchTool(url, topk=search_topk)}
     return {name: Replicas([clients[name](u) for u in url]) if isinstance(url, list) else clients[name](url)

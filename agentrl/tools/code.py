@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.tools import http_url
+from agentrl.tools.http import http_url
 from agentrl.types import ToolCall, ToolResult
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from agentrl.tools import http_url
+from agentrl.tools.http import http_url
 from agentrl.types import ToolCall, ToolResult
 
 DEFAULT_URL = "http://127.0.0.1:8000/retrieve"

@@ -24,7 +24,7 @@ def test_async_run_on_one_gpu_keeps_generating_across_weight_pushes(tmp_path, mo
     pytest.importorskip("vllm")
     import asyncio
 
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
 
     monkeypatch.chdir(REPO)

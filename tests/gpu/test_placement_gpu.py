@@ -44,7 +44,7 @@ def cluster():
 def test_a_ray_run_on_one_gpu_pushes_the_learner_weights_to_the_vllm_engine(cluster, tmp_path, monkeypatch, mode):
     import asyncio
 
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
 
     monkeypatch.chdir(REPO)

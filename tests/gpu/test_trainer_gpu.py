@@ -52,7 +52,7 @@ def test_colocated_vllm_run_with_sleep_wake_and_ipc_weight_push(tmp_path, monkey
     pytest.importorskip("vllm")
     import asyncio
 
-    from agentrl.run import load_run_config
+    from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
 
     monkeypatch.chdir(REPO)

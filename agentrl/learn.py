@@ -1,0 +1,87 @@
+"""The learner's side of a step, in one process: the policy, and the reference and the critic where the
+algorithm needs them (learner/), with what a step asks of them.
+
+    Learner.learn(groups)   batch.py builds the step's batch (packing, logprobs, values, advantages),
+                            then PPO epochs over its mini-batches: the policy's and the critic's updates
+    Learner.push(engines)   weight_sync.py: the policy's new weights into the rollout engines
+    save / load / export    the checkpoint's learner part, and the final HF checkpoint
+
+Every method is collective over the learner's ranks: on Ray (placement.py) each rank holds one of these
+and the driver calls them all alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.batch import build_batch
+from agentrl.learner.critic import CriticWorker
+from agentrl.learner.policy import PolicyWorker
+from agentrl.learner.reference import ReferenceWorker
+from agentrl.types import Group
+from agentrl.weight_sync import push_weights
+
+if TYPE_CHECKING:
+    from agentrl.run_config import RunConfig
+
+
+class Learner:
+    def __init__(self, config: RunConfig, lm: torch.nn.Module) -> None:
+        self.config = config
+        algo = config.algo
+        self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
+        self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
+                       if algo.needs_critic and config.critic else None)
+        self.policy = PolicyWorker(config.learner, algo, model=lm)
+
+    def learn(self, groups: list[Group]) -> dict[str, float]:
+        """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""
+        t, cfg = self.config.trainer, self.config
+        start = time.perf_counter()
+        step_batch = build_batch(groups, algo=cfg.algo, token_budget=cfg.learner.token_budget,
+                                 mini_batches=t.mini_batches, policy=self.policy, reference=self.reference,
+                                 critic=self.critic, drop_void_turns=cfg.algo.drop_void_turns,
+                                 ppo_epochs=t.ppo_epochs)
+        metrics = dict(step_batch.metrics)
+        metrics["timing/logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(t.ppo_epochs):
+            for batch in step_batch.mini_batches:
+                out = self.policy.train_step(batch)
+                if self.critic is not None:
+                    out |= self.critic.train_step(batch)
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                steps += 1
+        for worker in (self.policy, self.critic):  # the schedules count trainer steps
+            if worker is not None:
+                worker.end_step()
+        metrics |= {k: v / steps for k, v in sums.items()}
+        metrics["timing/train"] = time.perf_counter() - start
+        return metrics
+
+    async def push(self, engines: Sequence[Any]) -> dict[str, float]:
+        return await push_weights(self.policy, engines)
+
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        self.policy.save(f"{path}/actor", extra=extra)
+        if self.critic is not None:
+            self.critic.save(f"{path}/critic")
+
+    def load(self, path: str) -> None:
+        self.policy.load(f"{path}/actor")
+        if self.critic is not None:
+            self.critic.load(f"{path}/critic")
+
+    def export(self, path: str, tokenizer: Any) -> None:
+        self.policy.export_hf(path, tokenizer=tokenizer)
+
+    def close(self) -> None:
+        """Nothing to end in this process (the Ray learner ends its actors)."""
