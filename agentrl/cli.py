@@ -264,7 +264,7 @@ def eval_(
     import asyncio
 
     from agentrl.config import ConfigError
-    from agentrl.eval_run import run_eval, without_tools
+    from agentrl.eval.run import run_eval, without_tools
     from agentrl.run_config import ServicesConfig
     from agentrl.services import Services
     from agentrl.task import load_task, load_tokenizer
@@ -282,7 +282,7 @@ def eval_(
                 seed=seed, data_dir=data_dir, limit=limit, no_tools=no_tools, tool_urls=services.urls)))
     except ConfigError as e:
         raise _fail(str(e)) from None
-    from agentrl.eval_run import markdown_table
+    from agentrl.eval.run import markdown_table
 
     typer.echo(markdown_table(results, n), nl=False)
     typer.echo(f"wrote {out}/results.json, results.md and <benchmark>.samples.jsonl")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +23,7 @@ from agentrl.learner.critic import CriticWorker
 from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
 from agentrl.types import Group
-from agentrl.weight_sync import push_weights
+from agentrl.weight_sync import push_weights, transport
 
 if TYPE_CHECKING:
     from agentrl.run_config import RunConfig
@@ -38,6 +37,7 @@ class Learner:
         self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
                        if algo.needs_critic and config.critic else None)
         self.policy = PolicyWorker(config.learner, algo, model=lm)
+        self.transport = transport(config)
 
     def learn(self, groups: list[Group]) -> dict[str, float]:
         """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""
@@ -67,8 +67,8 @@ class Learner:
         metrics["timing/train"] = time.perf_counter() - start
         return metrics
 
-    async def push(self, engines: Sequence[Any]) -> dict[str, float]:
-        return await push_weights(self.policy, engines)
+    async def push(self, engine: Any) -> dict[str, float]:
+        return await push_weights(self.policy, engine, self.transport)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.policy.save(f"{path}/actor", extra=extra)

@@ -19,14 +19,17 @@ actor; the run stops and resumes from its last checkpoint.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from agentrl.build import build_engine, build_lm
-from agentrl.engine import Completion, Sampling, bucket_bytes, maybe_await
+from agentrl.engine import Completion, Sampling, maybe_await
+from agentrl.engine.weights import load_bucket, weights_loaded
 from agentrl.learn import Learner
 from agentrl.run_config import RunConfig
 from agentrl.task import load_tokenizer
+from agentrl.weight_sync import WeightBroadcast, push_from_rank, transport
 
 
 class Layout:
@@ -121,7 +124,7 @@ def connect(config: Any, want: dict[str, float]) -> Any:
 
 
 class _LearnerRank:
-    """One learner rank in an actor: a trainer.Learner once `setup` has joined the process group."""
+    """One learner rank in an actor: a learn.Learner once `setup` has joined the process group."""
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -139,42 +142,13 @@ class _LearnerRank:
         self.broadcast: Any = None
 
     def join_weight_group(self, host: str, port: int, world: int) -> None:
-        from agentrl.weight_sync import WeightBroadcast
-
         self.broadcast = WeightBroadcast(host, port, world)
 
     def learn(self, groups: list[Any]) -> dict[str, float]:
         return self.learner.learn(groups)
 
-    def push(self, engines: list[Any], transport: str) -> None:
-        """The new weights into the engines: `transport` bytes (safetensors from rank 0 to every engine),
-        ipc (rank i to engine i on its GPU) or nccl (rank 0's broadcast to every engine's workers)."""
-        import ray
-
-        from agentrl.engine import bucket_by_bytes, cuda_ipc_handle, flat_buckets
-
-        state = self.learner.policy.state_for_sync()  # collective: every rank gathers every tensor
-        if transport == "ipc":
-            engines = [engines[self.rank]]
-        elif self.rank != 0:
-            for _ in state:
-                pass
-            return
-        if transport == "nccl":
-            for flat, layout in flat_buckets(state):
-                receiving = [e.receive_bucket.remote(layout, flat.numel()) for e in engines]
-                self.broadcast.send(flat)
-                ray.get(receiving)
-                del flat
-        elif transport == "ipc":
-            for flat, layout in flat_buckets(state):
-                ray.get(engines[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))  # mapped, then freed
-                del flat
-        else:
-            for bucket in bucket_by_bytes(state):
-                payload = ray.put(bucket_bytes(bucket))
-                ray.get([e.load_weight_bucket.remote(payload) for e in engines])
-        ray.get([e.weights_loaded.remote() for e in engines])
+    def push(self, actors: list[Any], how: str) -> None:
+        push_from_rank(self.learner.policy, self.rank, actors, how, self.broadcast)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.learner.save(path, extra)
@@ -187,7 +161,7 @@ class _LearnerRank:
 
 
 class RayLearner:
-    """trainer.Learner's interface over `placement.learner_ranks` Ray actors (see the module docstring)."""
+    """learn.Learner's interface over `placement.learner_ranks` Ray actors (see the module docstring)."""
 
     def __init__(self, config: Any, placement: Placement) -> None:
         import ray
@@ -200,8 +174,7 @@ class RayLearner:
         master = ray.get(self.ranks[0].address.remote())
         dump = config.model_dump(mode="json")
         self._all("setup", dump, None, ranks, master, per_rank=True)
-        self.transport = ("bytes" if config.engine.kind != "vllm" else
-                          "nccl" if config.placement.mode == "split" else "ipc")
+        self.transport = transport(config)
 
     def _all(self, method: str, *args: Any, per_rank: bool = False) -> list[Any]:
         """`method(*args)` on every rank (with `per_rank`, the None argument is the rank's index); rank
@@ -236,12 +209,10 @@ class RayLearner:
 
         return self._all("learn", ray.put(groups))[0]
 
-    async def push(self, engines: Sequence[Any]) -> dict[str, float]:
-        import time
-
+    async def push(self, engine: Any) -> dict[str, float]:
+        """The policy's weights into the run's engines (an EnginePool of RayEngines, as `place` makes it)."""
         start = time.perf_counter()
-        actors = [e.actor for pool in engines for e in getattr(pool, "engines", [pool])]
-        self._all("push", actors, self.transport)
+        self._all("push", [e.actor for e in engine.engines], self.transport)
         return {"timing/weight_sync": time.perf_counter() - start}
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
@@ -277,14 +248,8 @@ class _EngineActor:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, session: str | None) -> Completion:
         return await self.engine.generate(prompt_ids, sampling, session=session)
 
-    async def load_weight_bucket(self, payload: bytes) -> int:
-        if callable(getattr(self.engine, "load_weight_bucket", None)):
-            return await self.engine.load_weight_bucket(payload)
-        from safetensors.torch import load
-
-        tensors = load(payload)
-        await self.engine.update_weights(tensors.items())
-        return len(tensors)
+    async def load_weight_bucket(self, payload: bytes) -> int | None:
+        return await load_bucket(self.engine, payload)
 
     async def load_ipc_bucket(self, handle: bytes, layout: list) -> int:
         return await self.engine.load_ipc_bucket(handle, layout)
@@ -296,8 +261,7 @@ class _EngineActor:
         return await self.engine.receive_bucket(layout, nbytes)
 
     async def weights_loaded(self) -> None:
-        if callable(getattr(self.engine, "weights_loaded", None)):
-            await self.engine.weights_loaded()
+        await weights_loaded(self.engine)
 
     async def sleep(self, level: int) -> None:
         await self.engine.sleep(level)

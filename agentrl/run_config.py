@@ -176,13 +176,13 @@ class RunConfig(StrictModel):
             raise ValueError(f"rollout.top_p={self.rollout.top_p} / rollout.top_k={self.rollout.top_k}: the "
                              "learner's logprobs are over the whole vocabulary, the engine's over what top-p / "
                              "top-k keep, so the importance ratios would be wrong; train with top_p 1 and top_k 0")
-        _agree(self.learner, "temperature", self.rollout.temperature, "learner.temperature", "rollout.temperature")
-        _agree(self.rollout, "seed", self.trainer.seed, "rollout.seed", "trainer.seed")
-        _agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
+        agree(self.learner, "temperature", self.rollout.temperature, "learner.temperature", "rollout.temperature")
+        agree(self.rollout, "seed", self.trainer.seed, "rollout.seed", "trainer.seed")
+        agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
         budget = self.task.budgets.max_response_tokens
         overlong = self.algo.overlong
         if overlong.buffer_tokens > 0 or overlong.max_tokens is not None:
-            _agree(overlong, "max_tokens", budget, "algo.overlong.max_tokens", "task.budgets.max_response_tokens")
+            agree(overlong, "max_tokens", budget, "algo.overlong.max_tokens", "task.budgets.max_response_tokens")
             if overlong.buffer_tokens > budget:
                 raise ValueError(f"algo.overlong.buffer_tokens ({overlong.buffer_tokens}) exceeds the response "
                                  f"budget, task.budgets.max_response_tokens ({budget})")
@@ -193,13 +193,13 @@ class RunConfig(StrictModel):
                              f"prompt's group, so rollout.n must be at least 2 (it is {self.rollout.n}); with one "
                              "sample per prompt use reinforce_pp or gae")
         if self.model.path is not None:
-            _agree(self.learner, "model", self.model.path, "learner.model", "model.path")
+            agree(self.learner, "model", self.model.path, "learner.model", "model.path")
         if self.algo.needs_critic and self.critic is None:
             self.critic = self.learner.model_copy(deep=True)
         for role, learner in (("learner", self.learner), ("critic", self.critic)):
             # the schedules count trainer steps (learner/optim.py): a cosine ends at the run's last step
             if learner is not None and self.trainer.steps is not None and learner.optim.schedule == "cosine":
-                _agree(learner.optim, "total_steps", self.trainer.steps, f"{role}.optim.total_steps", "trainer.steps")
+                agree(learner.optim, "total_steps", self.trainer.steps, f"{role}.optim.total_steps", "trainer.steps")
         if self.trainer.eval_every and self.eval_task is None and not self.trainer.eval_holdout:
             raise ValueError("trainer.eval_every needs a validation set: eval_task, or trainer.eval_holdout > 0")
         p = self.placement
@@ -224,7 +224,7 @@ class RunConfig(StrictModel):
         return Path(self.trainer.run_dir.replace("{name}", self.name))
 
 
-def _agree(model: StrictModel, field: str, value: Any, key: str, source: str) -> None:
+def agree(model: StrictModel, field: str, value: Any, key: str, source: str) -> None:
     """`model.field` takes `value` from `source`; set to something else as well, it is a contradiction."""
     current = getattr(model, field)
     if field in model.model_fields_set and current != value:

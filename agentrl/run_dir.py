@@ -67,6 +67,23 @@ class RunDir:
             raise ConfigError(f"{marker}: names {path.name}, which is not a complete checkpoint")
         return path
 
+    def save_checkpoint(self, step: int, state: dict[str, Any], write: Callable[[Path], None], keep: int) -> None:
+        """Checkpoint `step`: `write(directory)` fills a fresh temporary directory (the learner's part), then
+        the trainer's `state` is written and the directory renamed into place; `keep` are kept."""
+        tmp = self.begin_checkpoint(step)
+        write(tmp)
+        self.commit_checkpoint(tmp, step, state, keep)
+
+    def resume(self) -> tuple[Path, dict[str, Any]] | None:
+        """(the latest checkpoint, its trainer state), the logs' lines of later steps dropped (the run redoes
+        them); None for a fresh run."""
+        path = self.latest_checkpoint()
+        if path is None:
+            return None
+        state = json.loads((path / "trainer.json").read_text())
+        self.truncate_logs(int(state["step"]))
+        return path, state
+
     def begin_checkpoint(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of `step` (`commit_checkpoint` makes it real)."""
         tmp = self.checkpoints / f".step_{step}.tmp"

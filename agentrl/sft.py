@@ -10,7 +10,7 @@ The data is JSONL, one trajectory per line, in either form:
 Training is masked as in RL: only model-written tokens are trained on (`Trajectory.loss_mask`), never the
 prompt or a tool's output. It runs on the RL learner (PolicyWorker) with an advantage of 1 on every token
 and the ratio taken on-policy, whose gradient is that of the tokens' negative log-likelihood (mean over
-tokens), so checkpoints, export and the run dir are the trainer's (run.py).
+tokens), so checkpoints, export and the run dir (run_dir.py, resume included) are the trainer's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from agentrl.algo import AlgoConfig
 from agentrl.config import ConfigError, StrictModel, write_resolved
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import pack, response_layout
-from agentrl.run_config import LoggingConfig, ModelConfig
+from agentrl.run_config import LoggingConfig, ModelConfig, agree
 from agentrl.run_dir import MetricsLog, RunDir
 from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
@@ -52,9 +52,10 @@ class SFTConfig(StrictModel):
 
     @model_validator(mode="after")
     def _derive(self) -> SFTConfig:
+        """As RunConfig's: the learner takes model.path and trainer.seed; a different value is an error."""
         if self.model.path is not None:
-            self.learner.model = self.model.path
-        self.learner.seed = self.trainer.seed
+            agree(self.learner, "model", self.model.path, "learner.model", "model.path")
+        agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
         return self
 
     @property
@@ -144,10 +145,9 @@ def sft(config: SFTConfig) -> RunDir:
     run_dir.create()
     policy = PolicyWorker(config.learner, AlgoConfig(loss_agg="token_mean", tis_cap=None), model=build_lm(config))
     step = 0
-    if (latest := run_dir.latest_checkpoint()) is not None:
-        policy.load(str(latest / "actor"))
-        step = int(json.loads((latest / "trainer.json").read_text())["step"])
-        run_dir.truncate_logs(step)
+    if (found := run_dir.resume()) is not None:
+        policy.load(str(found[0] / "actor"))
+        step = int(found[1]["step"])
     write_resolved(config, run_dir.root)
     with MetricsLog(run_dir, config.logging, step, total, config) as log:
         while step < total:
@@ -163,9 +163,8 @@ def sft(config: SFTConfig) -> RunDir:
             metrics["sft/nll"] = metrics["actor/nll"]  # the training forward's, under the weights before the step
             metrics |= {"sft/epoch": float(epoch), "timing/step": time.perf_counter() - start}
             if step == total or (t.save_every and step % t.save_every == 0):
-                tmp = run_dir.begin_checkpoint(step)
-                policy.save(str(tmp / "actor"), extra={"step": step})
-                run_dir.commit_checkpoint(tmp, step, {"step": step}, t.keep_checkpoints)
+                run_dir.save_checkpoint(step, {"step": step}, lambda tmp, s=step: policy.save(str(tmp / "actor"),
+                                        extra={"step": s}), t.keep_checkpoints)
             log(step, metrics)
     if t.export:
         policy.export_hf(str(run_dir.export), tokenizer=tokenizer)

@@ -24,7 +24,6 @@ where vLLM differs).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from agentrl.algo.sampling import DynamicSampler
 from agentrl.build import run_tokenizer
 from agentrl.config import write_resolved
 from agentrl.engine.versioned import VersionedEngine
-from agentrl.evaluate import answer_format, evaluate
+from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
 from agentrl.prompt_order import PromptSampler
 from agentrl.rewards import build_reward, score
@@ -247,7 +246,7 @@ class Trainer:
     async def _push(self) -> dict[str, float]:
         """The learner's weights (its version: the steps done) into the engine, once no request is in flight
         (async: the wait for the requests in flight to reach their chunk's end is timing/update_wait)."""
-        metrics = await self.rollout_engine.update(lambda: self.learner.push([self.engine]), version=self.step)
+        metrics = await self.rollout_engine.update(lambda: self.learner.push(self.engine), version=self.step)
         drain = self.rollout_engine.last_drain
         metrics = metrics | {"timing/update_wait": drain["wait_s"]}
         if self.config.trainer.mode == "async":
@@ -276,22 +275,20 @@ class Trainer:
         if not self._due(t.save_every):
             return {}
         start = time.perf_counter()
-        tmp = self.run_dir.begin_checkpoint(self.step)
-        data = {"step": self.step, "data": self.sampler.state, "drawn": self.drawn}
-        self.learner.save(str(tmp), data)
-        self.run_dir.commit_checkpoint(tmp, self.step, data, t.keep_checkpoints)
+        state = {"step": self.step, "data": self.sampler.state, "drawn": self.drawn}
+        self.run_dir.save_checkpoint(self.step, state, lambda tmp: self.learner.save(str(tmp), state),
+                                     t.keep_checkpoints)
         return {"timing/checkpoint": time.perf_counter() - start}
 
     def _resume(self) -> tuple[int, PromptSampler[Prompt], int]:
         """(step, data order, groups drawn) from the run dir's latest checkpoint, if it has one."""
         t = self.config.trainer
-        path = self.run_dir.latest_checkpoint()
-        if path is None:
+        found = self.run_dir.resume()
+        if found is None:
             return 0, PromptSampler(self.train_prompts, t.seed), 0
-        state = json.loads((path / "trainer.json").read_text())
+        path, state = found
         self.learner.load(str(path))
         step, data = int(state["step"]), state["data"]
-        self.run_dir.truncate_logs(step)
         sampler = PromptSampler(self.train_prompts, int(data["seed"]), int(data["epoch"]), int(data["index"]))
         return step, sampler, int(state.get("drawn", step * t.prompts_per_step))
 

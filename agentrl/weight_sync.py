@@ -1,38 +1,87 @@
-"""Learner -> engine: the policy's new weights into the rollout engines, the only module that knows both.
+"""Learner -> engine: the policy's new weights into the rollout engines, every transport in one place.
 
-After each training step the trainer pushes the policy's full weights (HF names, the learner's compute
-dtype, one tensor gathered at a time from the sharded module) into every engine, bucket by bucket
-(`engine.load_buckets`: an engine that takes serialized buckets gets each bucket encoded once; the others
-get the tensors through `update_weights`). A vLLM engine on the learner's GPU maps the tensors by CUDA IPC
-instead, so they never leave the GPU. The engines then sample from exactly the weights the learner
-holds, which the next step's importance ratios assume. The push is timed (`timing/weight_sync`).
+After each training step the policy's full weights (HF names, the learner's compute dtype, one tensor
+gathered at a time from the sharded module: `state_for_sync`, collective over the learner's ranks) go to
+every engine. The engines then sample from exactly the weights the learner holds, which the next step's
+importance ratios assume. `transport(config)` chooses how, once, from the placement:
+
+    tensors  one process, a transformers engine: `update_weights` with the tensors themselves (an engine in
+             a child process or a pool gets each bucket encoded once as safetensors, engine/weights.py)
+    ipc      vLLM on the learner's GPU (one process, or Ray rank i to the engine it shares its GPU with):
+             each bucket packed into one flat GPU buffer that the engine's workers map by CUDA IPC; the
+             weights never leave the GPU
+    nccl     vLLM engines on GPUs of their own (Ray, split): rank 0 broadcasts each flat bucket to every
+             engine worker in an NCCL group formed once (`WeightBroadcast`)
+    bytes    transformers engines on Ray: rank 0 encodes each bucket once as safetensors; it reaches every
+             engine through Ray's object store
+
+`push_weights` is the one-process push, `push_from_rank` a Ray learner rank's. Both are timed
+(`timing/weight_sync`, by the caller on Ray).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from agentrl.engine import load_buckets
+from agentrl.engine.weights import bucket_by_bytes, cuda_ipc_handle, encode_bucket, flat_buckets
 
 
-async def push_weights(policy: Any, engines: Sequence[Any]) -> dict[str, float]:
-    """Send `policy`'s weights to `engines` (collective on the learner's ranks); returns the timing."""
+def transport(config: Any) -> str:
+    """tensors, ipc, nccl or bytes (the module docstring says when)."""
+    vllm = config.engine.kind == "vllm"
+    if not config.placement.on_ray:
+        return "ipc" if vllm and config.learner.device != "cpu" else "tensors"
+    if not vllm:
+        return "bytes"
+    return "nccl" if config.placement.mode == "split" else "ipc"
+
+
+async def push_weights(policy: Any, engine: Any, how: str) -> dict[str, float]:
+    """`policy`'s weights into the engine of a one-process run (`how`: tensors or ipc)."""
     start = time.perf_counter()
-    on_gpu = policy.ctx.device.type == "cuda"
-    if len(engines) == 1 and on_gpu and callable(getattr(engines[0], "update_weights_on_gpu", None)):
-        await engines[0].update_weights_on_gpu(policy.state_for_sync())  # CUDA IPC: no copy through the host
+    if how == "ipc":
+        await engine.update_weights_on_gpu(policy.state_for_sync())  # a GpuReceiver: no copy through the host
     else:
-        await load_buckets(engines, policy.state_for_sync())
+        await engine.update_weights(policy.state_for_sync())
     return {"timing/weight_sync": time.perf_counter() - start}
+
+
+def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcast: WeightBroadcast | None) -> None:
+    """A Ray learner rank's part of a push to the engine actors (ray_placement._EngineActor): every rank
+    gathers every tensor (the collective part); then rank i sends to engine i (ipc), or rank 0 to every
+    engine (nccl: over `broadcast`; bytes: through the object store)."""
+    import ray
+
+    state = policy.state_for_sync()
+    if how == "ipc":
+        actors = [actors[rank]]
+    elif rank != 0:
+        for _ in state:
+            pass
+        return
+    if how == "nccl":
+        for flat, layout in flat_buckets(state):
+            receiving = [a.receive_bucket.remote(layout, flat.numel()) for a in actors]
+            broadcast.send(flat)  # type: ignore[union-attr]
+            ray.get(receiving)
+            del flat
+    elif how == "ipc":
+        for flat, layout in flat_buckets(state):
+            ray.get(actors[0].load_ipc_bucket.remote(cuda_ipc_handle(flat), layout))  # mapped, then freed
+            del flat
+    else:
+        for bucket in bucket_by_bytes(state):
+            payload = ray.put(encode_bucket(bucket))
+            ray.get([a.load_weight_bucket.remote(payload) for a in actors])
+    ray.get([a.weights_loaded.remote() for a in actors])
 
 
 class WeightBroadcast:
     """The learner's end (rank 0) of the NCCL group it shares with split engines' workers (each joins with
     `join_weight_group`): weights then reach GPUs that hold no learner state by broadcast, one flat bucket
-    (`engine.flat_bucket`) per collective, never through the host. vLLM's stateless process group and NCCL
-    communicator: the group stays apart from the learner's own (FSDP2's) and from each engine's."""
+    (`engine.weights.flat_bucket`) per collective, never through the host. vLLM's stateless process group
+    and NCCL communicator: the group stays apart from the learner's own (FSDP2's) and from each engine's."""
 
     def __init__(self, host: str, port: int, world: int) -> None:
         import torch

@@ -74,18 +74,15 @@ def main() -> None:
 
 
 async def _run(trainer) -> dict[str, float]:
-    from agentrl.engine import load_buckets
+    from agentrl.weight_sync import push_weights
 
     try:
         await trainer.run()
-        gb = sum(t.numel() * t.element_size() for _, t in trainer.policy.state_for_sync()) / 1e9
+        gb = sum(t.numel() * t.element_size() for _, t in trainer.learner.policy.state_for_sync()) / 1e9
         times = {}
         for name in ("ipc", "host", "ipc"):  # IPC twice: the first call may pay one-time costs
             start = time.perf_counter()
-            if name == "ipc":
-                await trainer.engine.update_weights_on_gpu(trainer.policy.state_for_sync())
-            else:
-                await load_buckets([trainer.engine], trainer.policy.state_for_sync())
+            await push_weights(trainer.learner.policy, trainer.engine, "ipc" if name == "ipc" else "tensors")
             times[f"{name}_s"] = time.perf_counter() - start
         return times | {"gb": gb}
     finally:

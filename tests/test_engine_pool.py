@@ -99,9 +99,9 @@ def test_sessions_stick_to_one_engine_and_spread_over_all() -> None:
 
 
 def test_an_update_waits_for_no_one_and_no_one_generates_during_it(monkeypatch) -> None:
-    import agentrl.engine
+    import agentrl.engine.weights
 
-    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    monkeypatch.setattr(agentrl.engine.weights, "BUCKET_BYTES", 8)
     engines = [Recorder("a"), Recorder("b")]
     pool = EnginePool(engines)
     weights = [("w", torch.ones(2)), ("v", torch.zeros(2))]  # two buckets
@@ -132,9 +132,9 @@ def test_an_update_waits_for_no_one_and_no_one_generates_during_it(monkeypatch) 
 
 
 def test_a_failed_update_settles_every_engine_and_blocks_generation_until_one_succeeds(monkeypatch) -> None:
-    import agentrl.engine
+    import agentrl.engine.weights
 
-    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    monkeypatch.setattr(agentrl.engine.weights, "BUCKET_BYTES", 8)
     engines = [Recorder("a", fail_bucket=1), Recorder("b")]
     pool = EnginePool(engines)
     weights = [("w", torch.ones(2)), ("v", torch.zeros(2)), ("u", torch.ones(2))]  # three buckets
@@ -210,12 +210,12 @@ def test_two_engine_processes_answer_as_one_engine_and_take_new_weights(models, 
 
 
 def test_each_bucket_is_encoded_once_and_reaches_every_engine_process(monkeypatch) -> None:
-    import agentrl.engine
+    import agentrl.engine.weights
 
-    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 16)
+    monkeypatch.setattr(agentrl.engine.weights, "BUCKET_BYTES", 16)
     encoded = []
-    real = agentrl.engine.bucket_bytes
-    monkeypatch.setattr(agentrl.engine, "bucket_bytes", lambda bucket: encoded.append(1) or real(bucket))
+    real = agentrl.engine.weights.encode_bucket
+    monkeypatch.setattr(agentrl.engine.weights, "encode_bucket", lambda bucket: encoded.append(1) or real(bucket))
     weights = [("a", torch.arange(4.0)), ("b", torch.arange(4.0, 12.0).view(2, 4)), ("c", torch.tensor([1.5]))]
     pool = EnginePool([ProcessEngine(BytesProbe), ProcessEngine(BytesProbe)])
 
@@ -309,9 +309,9 @@ class TensorTaker:
 
 
 def test_tensor_taking_engines_settle_a_failed_bucket_and_a_cancelled_update_blocks_generation(monkeypatch) -> None:
-    import agentrl.engine
+    import agentrl.engine.weights
 
-    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 8)
+    monkeypatch.setattr(agentrl.engine.weights, "BUCKET_BYTES", 8)
     engines = [TensorTaker(fail_at=1), TensorTaker()]
     pool = EnginePool(engines)
     weights = [("w", torch.ones(2)), ("v", torch.zeros(2)), ("u", torch.ones(2))]

@@ -377,9 +377,9 @@ def test_a_child_that_cannot_make_its_engine_says_why(tmp_path) -> None:
 
 
 def test_weights_reach_a_bytes_taking_engine_as_sent_then_one_reset(monkeypatch) -> None:
-    import agentrl.engine
+    import agentrl.engine.weights
 
-    monkeypatch.setattr(agentrl.engine, "BUCKET_BYTES", 16)  # a bucket per tensor or two
+    monkeypatch.setattr(agentrl.engine.weights, "BUCKET_BYTES", 16)  # a bucket per tensor or two
     base = torch.arange(12, dtype=torch.float32)
     weights = [("a", base[:4]), ("b", base[4:].view(2, 4)), ("c", torch.tensor([1.5, -2.0], dtype=torch.bfloat16))]
     engine = ProcessEngine(BytesProbe)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from agentrl import eval_run
-from agentrl.benchmarks import BENCHMARKS, resolve
 from agentrl.config import ConfigError
 from agentrl.engine import Completion
-from agentrl.eval_run import run_eval
-from agentrl.evaluate import majority_correct, pass_at_k, summarize
+from agentrl.eval import run as eval_run
+from agentrl.eval.datasets import BENCHMARKS, resolve
+from agentrl.eval.evaluate import majority_correct, pass_at_k, summarize
+from agentrl.eval.run import run_eval
 from agentrl.task import Task, load_task, load_tokenizer
 from tests.conftest import REPO, SHARED
 

@@ -12,7 +12,7 @@ import torch
 from agentrl.algo import AlgoConfig
 from agentrl.algo.advantage import compute_advantages
 from agentrl.algo.loss import aggregate, behaviour_weights, kl_penalty, ppo_clip_loss
-from agentrl.engine import bucket_by_bytes
+from agentrl.engine.weights import bucket_by_bytes
 from agentrl.learner.config import LearnerConfig, OptimConfig
 from agentrl.learner.critic import CriticWorker
 from agentrl.learner.optim import lr_factor
@@ -157,7 +157,7 @@ def test_state_for_sync_and_hf_export(tmp_path: Path) -> None:
     synced = dict(worker.state_for_sync())
     assert synced.keys() == expected.keys()  # HF names, tied head once, no wrapper prefixes
     assert all(torch.equal(synced[n], expected[n]) for n in expected)
-    buckets = list(bucket_by_bytes(worker.state_for_sync(), bucket_bytes=40_000))
+    buckets = list(bucket_by_bytes(worker.state_for_sync(), size=40_000))
     assert len(buckets) > 1 and [n for b in buckets for n, _ in b] == list(synced)
     worker.export_hf(str(tmp_path / "hf"), dtype=torch.float32)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

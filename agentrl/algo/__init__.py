@@ -44,7 +44,8 @@ class DynamicSamplingConfig(StrictModel):
     """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more until the batch fills."""
 
     enabled: bool = False
-    max_rounds: int = Field(4, ge=1, description="generation rounds per step before training on what there is")
+    max_rounds: int = Field(4, ge=1, description="a step gives up after seeing this many steps' worth of groups "
+                            "without enough informative ones, and trains on the first it saw")
 
 
 class OverlongConfig(StrictModel):

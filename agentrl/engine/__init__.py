@@ -12,8 +12,8 @@ the learner's importance-sampling correction needs.
 
 Implementations: hf.py (transformers; CPU and GPU; the test double and small runs) and vllm.py (vLLM
 AsyncLLM; GPU); process.py runs any engine in a process of its own, pool.py puts several behind one.
-`update_weights`, `sleep` and `wake` are there for the learner's weight updates and for training on the
-same GPUs as generation.
+`update_weights` takes the learner's tensors; weights.py declares what else an engine may offer to receive
+them (safetensors buckets, CUDA IPC, an NCCL broadcast) and to free its memory (`Sleeper`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -101,112 +101,6 @@ def completed_stop(tokenizer: object, ids: Sequence[int], stops: Sequence[str]) 
     return stop_completed_in_last_token(decode(window), decode(window[:-1]), stops)
 
 
-# Weights travel to an engine in buckets of about this many bytes: bounded host memory per transfer.
-BUCKET_BYTES = 256 << 20
-# On the GPU (CUDA IPC, NCCL) a bucket is one flat buffer: larger, so that there are few of them.
-GPU_BUCKET_BYTES = 1 << 30
-
-
-def bucket_by_bytes(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None = None) -> Iterator[list[tuple[str, Any]]]:
-    """(name, tensor) pairs grouped into lists of about `bucket_bytes` (BUCKET_BYTES by default; a tensor larger
-    than that is alone): the unit in which weights travel from the learner to an engine."""
-    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def bucket_bytes(bucket: Iterable[tuple[str, Any]]) -> bytes:
-    """A bucket of HF-named tensors as safetensors bytes. Engines that take weights so have
-    `load_weight_bucket(payload) -> int | None` (the tensors it loaded) and `weights_loaded()`, called once
-    after the last bucket (vllm.py, process.py): one encoding then serves every process and worker."""
-    from safetensors.torch import save
-
-    return save({name: _alone_on_cpu(t) for name, t in bucket})
-
-
-def flat_bucket(bucket: Sequence[tuple[str, Any]]) -> tuple[Any, list[tuple[str, str, list[int], int]]]:
-    """A bucket of HF-named tensors (on one GPU) packed into one flat uint8 buffer on that GPU, and its layout:
-    (name, dtype name, shape, byte offset) per tensor, each at a 256-byte aligned offset. The form in which
-    weights cross processes on the GPU: one CUDA IPC handle (a colocated engine) or one NCCL broadcast (a
-    split one) per bucket, not one per parameter; the receiver takes views of it (vllm_worker.py)."""
-    import torch
-
-    layout, offset = [], 0
-    for name, t in bucket:
-        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
-        offset += -(-t.numel() * t.element_size() // 256) * 256
-    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
-    for (_, t), (_, _, _, start) in zip(bucket, layout, strict=True):
-        flat[start : start + t.numel() * t.element_size()].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-    torch.cuda.current_stream(flat.device).synchronize()  # the bucket is whole before another process reads it
-    return flat, layout
-
-
-def flat_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None = None) -> Iterator[tuple[Any, list]]:
-    """`flat_bucket` of each bucket of HF-named GPU tensors (`GPU_BUCKET_BYTES` by default), one at a time: the
-    caller drops each buffer (`del`) once its receivers are done with it, before asking for the next."""
-    for bucket in bucket_by_bytes(named_tensors, bucket_bytes or GPU_BUCKET_BYTES):
-        yield flat_bucket(bucket)
-
-
-def cuda_ipc_handle(flat: Any) -> bytes:
-    """What another process on the same GPU needs to map `flat` (torch's `rebuild_cuda_tensor` arguments,
-    pickled). `flat` must outlive the receiver's use of it."""
-    import pickle
-
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return pickle.dumps(reduce_tensor(flat)[1])
-
-
-async def load_ipc_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int | None,
-                           load: Callable[[bytes, list], Awaitable[int]], loaded: Callable[[], Awaitable[Any]]) -> int:
-    """HF-named CUDA tensors to an engine on the same GPU, never through the host: each bucket packed into
-    one flat buffer (`flat_buckets`) whose CUDA IPC handle `load(handle, layout)` hands to the receivers; the
-    buffer is dropped once they return, then `loaded()` after the last. Returns how many tensors."""
-    import torch
-
-    total = 0
-    for flat, layout in flat_buckets(named_tensors, bucket_bytes):
-        total += int(await load(cuda_ipc_handle(flat), layout))
-        del flat
-    torch.cuda.ipc_collect()  # the receivers' mappings are gone: free the buffers' memory now
-    await loaded()
-    return total
-
-
-def takes_buckets(engine: object) -> bool:
-    return callable(getattr(engine, "load_weight_bucket", None)) and callable(getattr(engine, "weights_loaded", None))
-
-
-async def load_buckets(engines: Sequence[Any], named_tensors: Iterable[tuple[str, Any]]) -> int | None:
-    """Send HF-named tensors to every engine, bucket by bucket, all engines at once: those that take buckets
-    (`takes_buckets`) get the bucket encoded once, then `weights_loaded()` after the last; the others get it
-    through `update_weights`. Returns how many tensors the first engine reports loaded (None where it reports
-    nothing). If an engine fails a bucket, the others finish that bucket, no further bucket moves,
-    `weights_loaded()` is not called, and the first error is raised: the engines then hold a mix of old and
-    new weights until an update succeeds."""
-    by_bucket = [takes_buckets(e) for e in engines]
-    total: int | None = None
-    for bucket in bucket_by_bytes(named_tensors):
-        payload = bucket_bytes(bucket) if any(by_bucket) else None
-        counts = raise_first(await on_each(
-            engines, lambda e, b=bucket, p=payload: e.load_weight_bucket(p) if takes_buckets(e) else e.update_weights(b)))
-        if counts[0] is not None:
-            total = (total or 0) + counts[0]
-    raise_first(await on_each([e for e, b in zip(engines, by_bucket, strict=True) if b], lambda e: e.weights_loaded()))
-    return total
-
-
 def refuse_in_flight(requests: int) -> None:
     """An engine's answer to a weight update while `requests` of its requests still run."""
     if requests:
@@ -240,9 +134,3 @@ def raise_first(results: Sequence[Any]) -> list[Any]:
         if other is not errors[0]:
             errors[0].add_note(f"another engine failed too: {type(other).__name__}: {other}")
     raise errors[0]
-
-
-def _alone_on_cpu(tensor: Any) -> Any:
-    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses views that share storage)."""
-    t = tensor.detach().to("cpu").contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()

@@ -27,14 +27,8 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.engine import (
-    Completion,
-    Sampling,
-    load_buckets,
-    on_each,
-    raise_first,
-    refuse_in_flight,
-)
+from agentrl.engine import Completion, Sampling, on_each, raise_first, refuse_in_flight
+from agentrl.engine.weights import load_buckets
 
 
 class EnginePool:

@@ -12,8 +12,8 @@ module-level function, passed by name), makes the engine with `factory(**kwargs)
 concurrently. Like any spawned process it first re-imports the caller's main module, so a script that
 makes engines needs an `if __name__ == "__main__":` guard. Messages are pickled frames, each headed by its
 length and its call's id, over a Unix socket, written and read by asyncio streams on both sides, so neither
-side can block the other. Weights cross as safetensors bytes, bucket by bucket: an engine with
-`load_weight_bucket(payload)` and `weights_loaded()` (VLLMEngine) takes them as they are; any other gets
+side can block the other (process_child.py is the child's side). Weights cross as safetensors bytes,
+bucket by bucket: a `BucketReceiver` (engine/weights.py; VLLMEngine) takes them as they are; any other gets
 them through `update_weights`, one bucket at a time. A vLLM engine on this process's GPU maps them by CUDA
 IPC instead (`update_weights_on_gpu`): only a handle per bucket crosses the socket.
 
@@ -28,25 +28,23 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib
 import itertools
 import multiprocessing
 import os
 import pickle
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentrl.engine import Completion, Sampling, load_buckets, maybe_await, refuse_in_flight, takes_buckets
+from agentrl.engine import Completion, Sampling, refuse_in_flight
+from agentrl.engine.process_child import HEADER, child_main, frame
+from agentrl.engine.weights import load_buckets, load_ipc_buckets
 
-_HEADER = struct.Struct("!QQ")  # payload bytes, call id
 CLOSE_TIMEOUT_S = 120.0  # for the engine in the child to close before the process is ended
 _ENV_LOCK = threading.Lock()  # os.environ holds a child's `env` only while it is spawned
 
@@ -67,7 +65,7 @@ class ProcessEngine:
         listener.bind(path)
         listener.listen(1)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_child_main, args=(path, ref, kwargs or {}), name=f"agentrl-engine-{ref}")
+            target=child_main, args=(path, ref, kwargs or {}), name=f"agentrl-engine-{ref}")
         with _ENV_LOCK:  # in the environment the child's interpreter starts with, before any import
             saved = {k: os.environ.get(k) for k in env or {}}
             os.environ.update(env or {})
@@ -131,29 +129,26 @@ class ProcessEngine:
             self._updating -= 1
 
     async def load_weight_bucket(self, payload: bytes) -> int | None:
-        """One bucket as safetensors bytes (engine/__init__.py's `bucket_bytes`), loaded in the child: how
+        """One bucket as safetensors bytes (engine/weights.py's `encode_bucket`), loaded in the child: how
         EnginePool sends one encoding to several processes. `weights_loaded()` follows the last bucket."""
         refuse_in_flight(self._generating)
         self._updating += 1
         try:
-            return await self.call("_load_weights", payload)
+            return await self.call("_load_bucket", payload)
         finally:
             self._updating -= 1
 
     async def weights_loaded(self) -> None:
         await self.call("_weights_loaded")
 
-    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
-                                    bucket_bytes: int | None = None) -> int:
+    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]], size: int | None = None) -> int:
         """Load HF-named CUDA tensors of this process into the child's engine on the same GPU by CUDA IPC,
         never through the host (`load_ipc_bucket` in the child, as VLLMEngine's own update does). Returns
         how many tensors. Refused while any generate() of this engine is in flight, as update_weights is."""
-        from agentrl.engine import load_ipc_buckets
-
         refuse_in_flight(self._generating)
         self._updating += 1
         try:
-            return await load_ipc_buckets(named_tensors, bucket_bytes,
+            return await load_ipc_buckets(named_tensors, size,
                                           lambda handle, layout: self.call("load_ipc_bucket", handle, layout),
                                           lambda: self.call("weights_loaded"))
         finally:
@@ -173,14 +168,14 @@ class ProcessEngine:
         self._pending[rid] = (method, future)
         try:
             try:
-                frame = _frame(rid, (method, args, kwargs))
+                message = frame(rid, (method, args, kwargs))
             except Exception as e:
                 raise TypeError(f"{method}(): its arguments cannot be sent to the engine process: {e}") from e
-            self._writer.write(frame)  # type: ignore[union-attr]  # buffered by the transport: never blocks the loop
+            self._writer.write(message)  # type: ignore[union-attr]  # buffered by the transport: never blocks the loop
             return await future
         except asyncio.CancelledError:
             if self._gone is None and (future.cancelled() or not future.done()):  # no answer came: stop it there
-                self._writer.write(_frame(rid, ("_cancel", (), {})))  # type: ignore[union-attr]
+                self._writer.write(frame(rid, ("_cancel", (), {})))  # type: ignore[union-attr]
             raise
         finally:
             self._pending.pop(rid, None)
@@ -227,7 +222,7 @@ class ProcessEngine:
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                size, rid = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                size, rid = HEADER.unpack(await reader.readexactly(HEADER.size))
                 data = await reader.readexactly(size)
                 method, future = self._pending.get(rid, ("?", None))
                 try:
@@ -249,11 +244,6 @@ class ProcessEngine:
         for _, future in self._pending.values():
             if not future.done() and not future.get_loop().is_closed():
                 future.set_exception(EngineClosed(self._gone))
-
-
-def _frame(rid: int, message: Any) -> bytes:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data), rid) + data
 
 
 def _accept(listener: socket.socket, process: multiprocessing.process.BaseProcess, timeout_s: float) -> socket.socket:
@@ -289,7 +279,7 @@ def _read_sync(sock: socket.socket, process: multiprocessing.process.BaseProcess
                 n -= len(chunk)
             return b"".join(chunks)
 
-        size, _ = _HEADER.unpack(exactly(_HEADER.size))
+        size, _ = HEADER.unpack(exactly(HEADER.size))
         return pickle.loads(exactly(size))
     except TimeoutError:
         raise TimeoutError(f"the engine process did not start its engine within {timeout_s:g} s") from None
@@ -307,112 +297,3 @@ def _reap(process: multiprocessing.process.BaseProcess, directory: str, sock: so
             stop()
             process.join(10)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def _portable(error: BaseException) -> BaseException:
-    """`error` with the child's traceback as a note, or a RuntimeError saying the same where it cannot be
-    pickled."""
-    tb = "".join(traceback.format_exception(error))
-    try:
-        error.add_note(f"raised in the engine process:\n{tb}")
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"in the engine process: {type(error).__name__}: {error}\n{tb}")
-
-
-def _child_main(path: str, ref: str, kwargs: dict[str, Any]) -> None:
-    asyncio.run(_serve(path, ref, kwargs))
-
-
-async def _serve(path: str, ref: str, kwargs: dict[str, Any]) -> None:
-    reader, writer = await asyncio.open_unix_connection(path)
-
-    def reply(rid: int, ok: bool, value: Any) -> None:
-        try:
-            writer.write(_frame(rid, (ok, value)))
-        except Exception as e:  # an answer that cannot be pickled
-            writer.write(_frame(rid, (False, _portable(e))))
-
-    try:
-        module, name = ref.split(":", 1)
-        factory = importlib.import_module(module)
-        for part in name.split("."):
-            factory = getattr(factory, part)
-        engine = factory(**kwargs)
-    except Exception as e:
-        reply(0, True, ("failed", _portable(e)))
-        await writer.drain()
-        return
-    reply(0, True, ("ready", getattr(engine, "max_context_tokens", None)))
-    tasks: dict[int, asyncio.Task] = {}
-    cancelled: set[int] = set()  # calls the parent cancelled: they get no answer
-
-    takes_bytes = takes_buckets(engine)
-
-    async def load_weights(payload: bytes) -> Any:
-        if takes_bytes:
-            return await engine.load_weight_bucket(payload)
-        from safetensors.torch import load
-
-        return await maybe_await(engine.update_weights(list(load(payload).items())))
-
-    async def weights_loaded() -> None:
-        if takes_bytes:
-            await maybe_await(engine.weights_loaded())  # e.g. vLLM's prefix cache, computed with the old weights
-
-    async def run(rid: int, method: str, args: tuple, kw: dict) -> None:
-        try:
-            if method == "_load_weights":
-                result = await load_weights(*args)
-            elif method == "_weights_loaded":
-                result = await weights_loaded()
-            elif method == "_tasks":  # for tests: the calls still running here
-                result = len(tasks) - 1
-            elif method.startswith("_") or not callable(getattr(engine, method, None)):
-                raise AttributeError(f"{type(engine).__name__} has no method {method!r}")
-            else:
-                result = await maybe_await(getattr(engine, method)(*args, **kw))
-            reply(rid, True, result)
-        except asyncio.CancelledError:
-            if rid not in cancelled:  # cancelled inside the engine, not by the caller: an error there
-                reply(rid, False, RuntimeError(f"{method}() was cancelled inside the engine process"))
-        except Exception as e:
-            reply(rid, False, _portable(e))
-
-    close_rid = None
-    try:
-        while True:
-            try:
-                size, rid = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                method, args, kw = pickle.loads(await reader.readexactly(size))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                break  # the parent is gone: close the engine all the same
-            if method == "_cancel":
-                cancelled.add(rid)
-                if rid in tasks:
-                    tasks[rid].cancel()
-            elif method == "_close":
-                close_rid = rid
-                break
-            else:
-                task = tasks[rid] = asyncio.create_task(run(rid, method, args, kw))
-                task.add_done_callback(lambda _, rid=rid: (tasks.pop(rid, None), cancelled.discard(rid)))
-    finally:
-        for rid in tasks:
-            cancelled.add(rid)
-        for task in list(tasks.values()):
-            task.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
-        close = getattr(engine, "aclose", None)
-        try:
-            if callable(close):
-                await maybe_await(close())
-            closed: tuple[bool, Any] = (True, None)
-        except Exception as e:
-            closed = (False, _portable(e))
-        if close_rid is not None:
-            reply(close_rid, *closed)
-            await writer.drain()
-        writer.close()
-

@@ -113,7 +113,3 @@ class VersionedEngine:
                 self.version = self.version + 1 if version is None else version
                 self._updating = False
                 self._changed.notify_all()
-
-    def __getattr__(self, name: str) -> Any:
-        # what else the trainer asks of its engine (sleep, wake, aclose, update_weights_on_gpu, engines of a pool)
-        return getattr(self.engine, name)

@@ -48,7 +48,8 @@ import zlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, load_buckets, refuse_in_flight
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, refuse_in_flight
+from agentrl.engine.weights import load_buckets, load_ipc_buckets
 
 if TYPE_CHECKING:
     from agentrl.engine.pool import EnginePool
@@ -157,15 +158,12 @@ class VLLMEngine:
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
 
-    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]],
-                                    bucket_bytes: int | None = None) -> int:
+    async def update_weights_on_gpu(self, named_tensors: Iterable[tuple[str, Any]], size: int | None = None) -> int:
         """Load HF-named CUDA tensors on this engine's GPU (a colocated learner's) without a host copy: the
         workers map each flat bucket by its CUDA IPC handle (vllm_worker.py), then the prefix cache is
         reset. Returns how many tensors."""
-        from agentrl.engine import load_ipc_buckets
-
         refuse_in_flight(self._in_flight)
-        return await load_ipc_buckets(named_tensors, bucket_bytes, self.load_ipc_bucket, self.reset_prefix_cache)
+        return await load_ipc_buckets(named_tensors, size, self.load_ipc_bucket, self.reset_prefix_cache)
 
     async def load_ipc_bucket(self, handle: bytes, layout: list) -> int:
         """One flat bucket of another process on this GPU (`engine.flat_bucket`, `engine.cuda_ipc_handle`),

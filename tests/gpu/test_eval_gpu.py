@@ -21,7 +21,7 @@ def test_eval_with_vllm_and_the_sandbox(tmp_path, monkeypatch):
 
     from agentrl.engine.random_model import write_random_checkpoint
     from agentrl.engine.vllm import VLLMEngine
-    from agentrl.eval_run import run_eval
+    from agentrl.eval.run import run_eval
     from agentrl.run_config import ServicesConfig
     from agentrl.services import Services
     from agentrl.task import load_task

@@ -87,7 +87,7 @@ async def _run_and_compare(trainer) -> tuple[float, float]:
         t = Trajectory(Prompt("p", "", tuple(prompt_ids), "", ""), [Segment("model", c.token_ids, c.logprobs)],
                        StopReason.EOS)
         [batch] = pack([t], 8192)
-        learner = trainer.policy.compute_logprobs(batch)[0]
+        learner = trainer.learner.policy.compute_logprobs(batch)[0]
         engine = torch.tensor(c.logprobs)
         init = AutoModelForCausalLM.from_pretrained(Path(trainer.config.run_dir) / "init", dtype=torch.bfloat16).cuda()
         ids = torch.tensor([prompt_ids + c.token_ids], device="cuda")

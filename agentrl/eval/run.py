@@ -1,6 +1,6 @@
 """`agentrl eval`: a model on benchmarks, through evaluate.py, with its outputs in one directory.
 
-For each benchmark (benchmarks.py) the task spec's dataset is replaced by the benchmark's and its prompts
+For each benchmark (datasets.py) the task spec's dataset is replaced by the benchmark's and its prompts
 are rolled out `n` times each, in chunks; each finished chunk's records are appended to
 `<out>/<benchmark>.samples.jsonl` (whole lines). A run started again with the same `--out` skips the
 prompts whose samples are all there, and since every sample's seed is fixed by (seed, prompt, sample,
@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentrl.benchmarks import resolve
 from agentrl.config import ConfigError, atomic_write_text
-from agentrl.evaluate import answer_format, evaluate, summarize
+from agentrl.eval.datasets import resolve
+from agentrl.eval.evaluate import answer_format, evaluate, summarize
 from agentrl.rewards import build_reward
 from agentrl.run_dir import append_jsonl
 from agentrl.task import Task
