@@ -82,6 +82,3 @@ class Learner:
 
     def export(self, path: str, tokenizer: Any) -> None:
         self.policy.export_hf(path, tokenizer=tokenizer)
-
-    def close(self) -> None:
-        """Nothing to end in this process (the Ray learner ends its actors)."""

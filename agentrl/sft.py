@@ -146,8 +146,9 @@ def sft(config: SFTConfig) -> RunDir:
     policy = PolicyWorker(config.learner, AlgoConfig(loss_agg="token_mean", tis_cap=None), model=build_lm(config))
     step = 0
     if (found := run_dir.resume()) is not None:
-        policy.load(str(found[0] / "actor"))
-        step = int(found[1]["step"])
+        path, state = found
+        policy.load(str(path / "actor"))
+        step = int(state["step"])
     write_resolved(config, run_dir.root)
     with MetricsLog(run_dir, config.logging, step, total, config) as log:
         while step < total:
