@@ -20,9 +20,10 @@ import torch
 
 from agentrl.batch import build_batch
 from agentrl.learner.critic import CriticWorker
+from agentrl.learner.packing import pack
 from agentrl.learner.policy import PolicyWorker
 from agentrl.learner.reference import ReferenceWorker
-from agentrl.types import Group
+from agentrl.types import Group, Trajectory
 from agentrl.weight_sync import push_weights, transport
 
 if TYPE_CHECKING:
@@ -63,9 +64,21 @@ class Learner:
         for worker in (self.policy, self.critic):  # the schedules count trainer steps
             if worker is not None:
                 worker.end_step()
+                if worker.skipped_in_a_row >= t.max_skipped_in_a_row:
+                    raise RuntimeError(f"the {worker.role}'s last {worker.skipped_in_a_row} optimizer steps had a loss "
+                                       "or gradient that is not finite (each was skipped; "
+                                       f"trainer.max_skipped_in_a_row is {t.max_skipped_in_a_row}): the run stops "
+                                       "with its weights as they were before them")
         metrics |= {k: v / steps for k, v in sums.items()}
         metrics["timing/train"] = time.perf_counter() - start
         return metrics
+
+    def score(self, trajectory: Trajectory) -> list[float]:
+        """The policy's logprob of each response token of `trajectory` (one copy per rank: every rank
+        takes part in the forward)."""
+        ctx = self.policy.ctx
+        batch = pack([trajectory] * ctx.world_size, self.config.learner.token_budget, ctx.world_size)[ctx.rank]
+        return self.policy.compute_logprobs(batch)[0, : len(trajectory.response_ids)].tolist()
 
     async def push(self, engine: Any) -> dict[str, float]:
         return await push_weights(self.policy, engine, self.transport)

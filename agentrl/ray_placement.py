@@ -147,6 +147,9 @@ class _LearnerRank:
     def learn(self, groups: list[Any]) -> dict[str, float]:
         return self.learner.learn(groups)
 
+    def score(self, trajectory: Any) -> list[float]:
+        return self.learner.score(trajectory)
+
     def push(self, actors: list[Any], how: str) -> None:
         push_from_rank(self.learner.policy, self.rank, actors, how, self.broadcast)
 
@@ -208,6 +211,9 @@ class RayLearner:
         import ray
 
         return self._all("learn", ray.put(groups))[0]
+
+    def score(self, trajectory: Any) -> list[float]:
+        return self._all("score", trajectory)[0]
 
     async def push(self, engine: Any) -> dict[str, float]:
         """The policy's weights into the run's engines (an EnginePool of RayEngines, as `place` makes it)."""

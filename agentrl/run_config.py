@@ -96,6 +96,13 @@ class TrainerConfig(StrictModel):
                                "sampled at most this many policy versions before the learner's; 0: synchronous")
     chunk_tokens: int = Field(256, ge=1, description="async: new tokens per engine request; a weight update "
                               "waits for at most this many tokens of each trajectory in flight")
+    max_skipped_in_a_row: int = Field(8, ge=1, description="optimizer steps in a row whose loss or gradient is "
+                                      "not finite (each skipped and counted) before the run stops")
+    probe_tokens: int = Field(32, ge=0, description="after every weight push the engine samples this many tokens "
+                              "of a fixed probe and the learner scores them; 0: no check")
+    probe_tolerance: float | None = Field(None, gt=0, description="the most the engine's and the learner's "
+                                          "logprobs of the probe may differ (mean over its tokens) before the "
+                                          "push counts as failed; default: by engine.kind (PROBE_TOLERANCE)")
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainerConfig:
@@ -151,6 +158,11 @@ class PlacementConfig(StrictModel):
         return engine_kind == "vllm" and (self.mode == "colocated" or self.share_gpus)
 
 
+# The probe's tolerance by engine kind (a mean over its tokens of |engine logprob - learner logprob|): the
+# transformers engine computes in the learner's float32; vLLM samples in bfloat16.
+PROBE_TOLERANCE = {"hf": 0.01, "vllm": 0.1}
+
+
 class RunConfig(StrictModel):
     name: str
     task: TaskSpec
@@ -179,6 +191,8 @@ class RunConfig(StrictModel):
         agree(self.learner, "temperature", self.rollout.temperature, "learner.temperature", "rollout.temperature")
         agree(self.rollout, "seed", self.trainer.seed, "rollout.seed", "trainer.seed")
         agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
+        if self.trainer.probe_tolerance is None:
+            object.__setattr__(self.trainer, "probe_tolerance", PROBE_TOLERANCE[self.engine.kind])
         budget = self.task.budgets.max_response_tokens
         overlong = self.algo.overlong
         if overlong.buffer_tokens > 0 or overlong.max_tokens is not None:

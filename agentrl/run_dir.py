@@ -69,10 +69,18 @@ class RunDir:
 
     def save_checkpoint(self, step: int, state: dict[str, Any], write: Callable[[Path], None], keep: int) -> None:
         """Checkpoint `step`: `write(directory)` fills a fresh temporary directory (the learner's part), then
-        the trainer's `state` is written and the directory renamed into place; `keep` are kept."""
+        the trainer's `state` is written and the directory renamed into place; `keep` are kept. A write that
+        fails (a full disk) leaves the latest checkpoint as it was and raises, naming it."""
         tmp = self.begin_checkpoint(step)
-        write(tmp)
-        self.commit_checkpoint(tmp, step, state, keep)
+        try:
+            write(tmp)
+            self.commit_checkpoint(tmp, step, state, keep)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = self.latest_checkpoint()
+            raise RuntimeError(f"the checkpoint of step {step} could not be written to {self.checkpoints} "
+                               f"({type(e).__name__}: {e}); the latest whole checkpoint is still "
+                               f"{latest.name if latest else 'none'}, which a resumed run continues from") from e
 
     def resume(self) -> tuple[Path, dict[str, Any]] | None:
         """(the latest checkpoint, its trainer state), the logs' lines of later steps dropped (the run redoes

@@ -45,6 +45,7 @@ from agentrl.task import Task
 from agentrl.tools import build_tools
 from agentrl.tools.formats import build_format
 from agentrl.types import Group, Prompt
+from agentrl.weight_sync import PushProbe, push_checked, transport
 
 # A scored group as the producer hands it over: (draw index, epoch, prompt, group).
 Scored = tuple[int, int, Prompt, Group]
@@ -87,6 +88,8 @@ class Trainer:
             config.critic.optim = config.critic.optim.for_run(self.total_steps)
         self.run_dir.create()
         self.learner, self.engine, self.placement = place(config, self.run_dir.root, self.tokenizer, engine)
+        self.probe = (PushProbe(self.train_prompts[0], t.probe_tokens, config.rollout.temperature,
+                                t.probe_tolerance, transport(config)) if t.probe_tokens else None)
         self.lookahead = t.max_staleness if t.mode == "async" else 0
         self.sleeps = engine_sleeps(config)
         chunk = t.chunk_tokens if t.mode == "async" else None  # async: updates wait for a token boundary only
@@ -114,6 +117,9 @@ class Trainer:
                     while self.step < self.total_steps:
                         self.step += 1
                         self.log(self.step, await self._step())
+                except Exception as e:
+                    e.add_note(f"(training step {self.step} of {self.total_steps}; run dir {self.run_dir.root})")
+                    raise
                 finally:
                     producer.cancel()
                     await asyncio.gather(producer, return_exceptions=True)
@@ -246,7 +252,8 @@ class Trainer:
     async def _push(self) -> dict[str, float]:
         """The learner's weights (its version: the steps done) into the engine, once no request is in flight
         (async: the wait for the requests in flight to reach their chunk's end is timing/update_wait)."""
-        metrics = await self.rollout_engine.update(lambda: self.learner.push(self.engine), version=self.step)
+        metrics = await self.rollout_engine.update(
+            lambda: push_checked(self.learner, self.engine, self.probe, self.step), version=self.step)
         drain = self.rollout_engine.last_drain
         metrics = metrics | {"timing/update_wait": drain["wait_s"]}
         if self.config.trainer.mode == "async":

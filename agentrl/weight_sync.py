@@ -17,14 +17,23 @@ importance ratios assume. `transport(config)` chooses how, once, from the placem
 
 `push_weights` is the one-process push, `push_from_rank` a Ray learner rank's. Both are timed
 (`timing/weight_sync`, by the caller on Ray).
+
+Every push is checked (`PushProbe`): the engine samples a few tokens of a fixed prompt and the learner scores
+the same tokens; their logprobs must agree within the engine's numerics (`sync/probe_gap`, the mean gap over
+the tokens). An engine still serving earlier weights, or missing a tensor, fails the run at that step,
+naming the transport, once the learner's weights have moved further than the tolerance from them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+from agentrl.engine import Sampling
+from agentrl.engine.pool import EnginePool
 from agentrl.engine.weights import bucket_by_bytes, cuda_ipc_handle, encode_bucket, flat_buckets
+from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
 
 def transport(config: Any) -> str:
@@ -75,6 +84,43 @@ def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcas
             payload = ray.put(encode_bucket(bucket))
             ray.get([a.load_weight_bucket.remote(payload) for a in actors])
     ray.get([a.weights_loaded.remote() for a in actors])
+
+
+async def push_checked(learner: Any, engine: Any, probe: PushProbe | None, step: int) -> dict[str, float]:
+    """The learner's push into `engine`, then its check by `probe` (None: unchecked)."""
+    metrics = await learner.push(engine)
+    return metrics | (await probe.check(engine, learner, step) if probe is not None else {})
+
+
+class PushProbe:
+    """The check after a push: the engine samples `tokens` of `prompt` (seeded, at the rollout's
+    temperature, so its logprobs are the learner's distribution's), the learner scores them, and a mean
+    gap above `tolerance` is an error naming the step, the engine and the transport `how`."""
+
+    def __init__(self, prompt: Prompt, tokens: int, temperature: float, tolerance: float, how: str) -> None:
+        self.prompt, self.tolerance, self.how = prompt, tolerance, how
+        self.sampling = Sampling(max_tokens=tokens, temperature=temperature, seed=0)
+
+    async def check(self, engine: Any, learner: Any, step: int) -> dict[str, float]:
+        """Every engine of a pool is probed; `sync/probe_gap` is the largest gap."""
+        start = time.perf_counter()
+        engines = engine.engines if isinstance(engine, EnginePool) else [engine]
+        gaps = [await self._gap(e, learner, step, i) for i, e in enumerate(engines)]
+        return {"sync/probe_gap": max(gaps), "timing/probe": time.perf_counter() - start}
+
+    async def _gap(self, engine: Any, learner: Any, step: int, index: int) -> float:
+        c = await engine.generate(list(self.prompt.token_ids), self.sampling)
+        if not c.token_ids:  # no room left in the engine's context: nothing to compare
+            return 0.0
+        probe = Trajectory(self.prompt, [Segment("model", list(c.token_ids), list(c.logprobs))], StopReason.EOS)
+        learner_lp = await asyncio.to_thread(learner.score, probe)
+        gap = sum(abs(a - b) for a, b in zip(c.logprobs, learner_lp, strict=True)) / len(c.logprobs)
+        if not gap <= self.tolerance:
+            raise RuntimeError(
+                f"step {step}: after the weight push ({self.how}) engine {index}'s logprobs of the probe differ "
+                f"from the learner's by {gap:.3g} on average over {len(c.logprobs)} tokens (tolerance "
+                f"{self.tolerance:g}, trainer.probe_tolerance): the engine does not hold the learner's weights")
+        return gap
 
 
 class WeightBroadcast:

@@ -125,7 +125,7 @@ def test_a_stop_string_spanning_two_requests_ends_the_completion_where_it_comple
 
 def _sets(*extra: str) -> list[str]:
     return ["task.budgets.max_response_tokens=200", "trainer.eval_every=0", "trainer.export=false",
-            "trainer.chunk_tokens=200", "trainer.samples_per_step=100", *extra]
+            "trainer.chunk_tokens=200", "trainer.samples_per_step=100", "trainer.probe_tokens=0", *extra]
 
 
 def _run(tmp_path, name: str, *sets: str):

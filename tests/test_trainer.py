@@ -170,7 +170,7 @@ class ScriptedEngine:
 
 def _scripted(tmp_path, turns: list[str], *sets: str, name: str = "run"):
     run_config = config(tmp_path, "task.budgets.max_response_tokens=200", "trainer.eval_every=0",
-                        "trainer.export=false", *sets, name=name)
+                        "trainer.export=false", "trainer.probe_tokens=0", *sets, name=name)  # scripted: no weights
     from agentrl.task import load_tokenizer
 
     return Trainer(run_config, engine=ScriptedEngine(load_tokenizer("configs/tiny_tokenizer"), turns))
@@ -311,7 +311,8 @@ def test_search_r1_with_an_auto_retriever(tmp_path):
         "task.dataset.fields.answer=golden_answers", "task.dataset.fields.solution=null", "task.tools.format=search_r1",
         "task.tools.names=[search]", "task.budgets.observation_max_chars=null", "task.reward.name=qa_em",
         "task.reward.params={}", "task.budgets.max_response_tokens=300", "services.retriever=auto",
-        f"services.retriever_index={tmp_path / 'index'}", "task.prompt.template=Question: {question}\n"])
+        f"services.retriever_index={tmp_path / 'index'}", "task.prompt.template=Question: {question}\n",
+        "trainer.probe_tokens=0"])  # a scripted engine holds no weights
     from agentrl.task import load_tokenizer
 
     engine = ScriptedEngine(load_tokenizer("configs/tiny_tokenizer"),

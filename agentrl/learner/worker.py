@@ -138,6 +138,7 @@ class Worker:
         # The schedule counts trainer steps (`end_step`), not optimizer steps: warmup and cosine lengths are
         # then the run's steps whatever its mini-batches and PPO epochs, as veRL's recipes count them.
         self.skipped_steps = 0  # steps the NaN/inf guard refused
+        self.skipped_in_a_row = 0  # of those, since the last step taken
 
     @staticmethod
     def context(config: LearnerConfig) -> DistContext:
@@ -225,6 +226,10 @@ class Worker:
         norm_value = float(norm)  # the one host sync of the step, after the step is queued
         diverged = not math.isfinite(norm_value)
         self.skipped_steps += diverged
+        if diverged:
+            self.skipped_in_a_row += 1
+        elif not empty:  # an empty batch is no evidence either way
+            self.skipped_in_a_row = 0
         skipped = empty or diverged
         if not skipped:
             self.steps += 1
