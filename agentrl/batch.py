@@ -1,6 +1,7 @@
 """Scored groups -> the learner's packed batches, in one fixed order.
 
-1. Flatten the groups (algo/sampling.py): trajectories, rewards, group ids.
+1. Leave out errored trajectories (their tool's service failed), then flatten the groups (algo/sampling.py):
+   trajectories, rewards, group ids.
 2. Shape and filter: DAPO's overlong penalty on the rewards; rows dropped from the loss (a 0 row scale,
    never a rebuilt mask): truncated trajectories (overlong filtering) and, as SimpleTIR does, those with a
    void turn (a model turn whose own text holds neither a tool call nor a final answer, a turn cut by a
@@ -31,7 +32,7 @@ from torch import Tensor
 from agentrl.algo import AlgoConfig
 from agentrl.algo.advantage import compute_advantages
 from agentrl.algo.loss import kl_penalty
-from agentrl.algo.sampling import flatten_groups, keep_untruncated, overlong_penalty
+from agentrl.algo.sampling import flatten_groups, keep_untruncated, overlong_penalty, without_errored
 from agentrl.learner.packing import Batch, pack, response_layout
 from agentrl.types import Group, Trajectory
 
@@ -86,6 +87,7 @@ def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
 def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int, mini_batches: int, policy: Any,
                 reference: Any = None, critic: Any = None, drop_void_turns: bool = False,
                 ppo_epochs: int = 1) -> StepBatch:
+    groups = without_errored(groups)
     trajectories, rewards_B, group_ids_B = flatten_groups(groups)
     layout = response_layout(trajectories)
     metrics = {"reward/mean": float(rewards_B.mean())}

@@ -186,9 +186,12 @@ class RayLearner:
 
         refs = [getattr(r, method).remote(*(i if per_rank and a is None else a for a in args))
                 for i, r in enumerate(self.ranks)]
-        waiting = list(refs)
+        waiting, timeout = list(refs), self.config.placement.call_timeout_s
         while waiting:  # as each rank answers: a dead rank leaves the others blocked in a collective
-            done, waiting = ray.wait(waiting, num_returns=1)
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
+            if not done:
+                raise RuntimeError(f"learner rank {refs.index(waiting[0])} (a _LearnerRank actor) did not return from "
+                                   f"{method} within {timeout:g} s (placement.call_timeout_s)")
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as e:

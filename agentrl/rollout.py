@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import zlib
 from collections import Counter
@@ -37,6 +38,8 @@ from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
 from agentrl.types import Group, Prompt, Segment, StopReason, ToolCall, ToolRecord, ToolResult, Trajectory
 
 T = TypeVar("T")
+
+log = logging.getLogger("agentrl.rollout")
 
 
 class RolloutConfig(StrictModel):
@@ -166,7 +169,9 @@ class TrajectoryBuilder:
         assert self.stop is not None, "finish() before the trajectory stopped"
         timings = dict(self.timings, turns=float(self.turn), invalid_turns=float(self.invalid_turns),
                        void_turns=float(self.void_turns))
-        return Trajectory(self.prompt, self.segments, self.stop, self.sample, self.records, timings=timings)
+        error = "tool" if any(r.result.service_fault for r in self.records) else None
+        return Trajectory(self.prompt, self.segments, self.stop, self.sample, self.records, timings=timings,
+                          error=error)
 
 
 async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
@@ -178,7 +183,7 @@ async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
     try:
         return await asyncio.wait_for(tool.call(call), timeout_s)
     except TimeoutError:
-        return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="timeout",
+        return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="no_answer",
                           latency_s=time.perf_counter() - t0)
     except Exception as e:  # a tool client should not raise; if it does, the batch still goes on
         return ToolResult(f"Error: {type(e).__name__}: {e}", error="exception", latency_s=time.perf_counter() - t0)
@@ -286,7 +291,36 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "tool/latency_ms/p99": _percentile(latencies, 0.99),
     }
     metrics.update({f"rollout/stop/{reason.value}": stops[reason] / n for reason in StopReason})
+    errored = Counter(t.error for t in trajectories if t.error is not None)
+    metrics["rollout/errored"] = sum(errored.values()) / n
+    metrics.update({f"rollout/errored/{kind}": count / n for kind, count in errored.items()})
     return metrics
+
+
+class ErroredSteps:
+    """The fault policy across steps: a step whose share of errored trajectories is above `max_frac` is a
+    warning; `max_steps` such steps in a row stop the run, naming the kinds. Errored trajectories are left
+    out of the loss (batch.py); a step with nothing else trains on nothing."""
+
+    def __init__(self, max_frac: float, max_steps: int) -> None:
+        self.max_frac, self.max_steps, self.in_a_row = max_frac, max_steps, 0
+
+    def check(self, groups: Sequence[Group], step: int) -> bool:
+        """Whether the step's `groups` leave any trajectory to train on (raises past the limit)."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        errored = Counter(t.error for t in trajectories if t.error is not None)
+        share = sum(errored.values()) / max(1, len(trajectories))
+        if share <= self.max_frac:
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        message = (f"step {step}: {share:.0%} of the step's trajectories are errored ("
+                   + ", ".join(f"{kind}: {count}" for kind, count in errored.most_common())
+                   + f"; trainer.max_errored_frac is {self.max_frac:g})")
+        if self.in_a_row >= self.max_steps:
+            raise RuntimeError(f"{message}, {self.in_a_row} steps in a row (trainer.max_errored_steps): the run stops")
+        log.warning(message)
+        return share < 1
 
 
 def trajectory_record(t: Trajectory, tokenizer: Any) -> dict[str, Any]:

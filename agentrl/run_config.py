@@ -72,6 +72,8 @@ class EngineConfig(StrictModel):
         "run samples what the uninterrupted one did; vLLM then draws each seeded request's noise on its own, "
         "at a cost per engine step (BENCHMARKS.md). false: the engine's one seeded stream (the hf engine "
         "always seeds per request)")
+    request_timeout_s: float = Field(1800.0, gt=0, description="an engine request (a turn, or an async chunk) "
+                                     "that does not answer within this stops the run, naming the engine")
 
 
 class TrainerConfig(StrictModel):
@@ -98,6 +100,11 @@ class TrainerConfig(StrictModel):
                               "waits for at most this many tokens of each trajectory in flight")
     max_skipped_in_a_row: int = Field(8, ge=1, description="optimizer steps in a row whose loss or gradient is "
                                       "not finite (each skipped and counted) before the run stops")
+    max_errored_frac: float = Field(0.25, ge=0, le=1, description="a step with a larger share of errored "
+                                    "trajectories (a tool's service failed) logs a warning")
+    max_errored_steps: int = Field(5, ge=1, description="that many such steps in a row stop the run")
+    push_timeout_s: float = Field(900.0, gt=0, description="a weight push (and its check) that does not finish "
+                                  "within this stops the run, naming the transport")
     probe_tokens: int = Field(32, ge=0, description="after every weight push the engine samples this many tokens "
                               "of a fixed probe and the learner scores them; 0: no check")
     probe_tolerance: float | None = Field(None, gt=0, description="the most the engine's and the learner's "
@@ -142,6 +149,8 @@ class PlacementConfig(StrictModel):
     ray_address: str | None = Field(None, description="the Ray cluster to join (auto: the one this machine is in); "
                                     "unset on Ray (more than one rank or engine, or split): a local Ray is started")
     learner_ranks: int = Field(1, ge=1, description="learner actors, one per GPU (or CPU), one FSDP2 group")
+    call_timeout_s: float = Field(7200.0, gt=0, description="a call on the learner's actors (a step, a push, a "
+                                  "checkpoint) that does not return within this stops the run, naming the call")
     engines: int = Field(1, ge=1, description="engine replicas, each an actor; a trajectory sticks to one")
     mode: Literal["colocated", "split"] = Field(
         "colocated", description="vllm engines: colocated, engine i on learner rank i's GPU, asleep while it trains, "

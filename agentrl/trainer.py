@@ -37,7 +37,7 @@ from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
 from agentrl.prompt_order import PromptSampler
 from agentrl.rewards import build_reward, score
-from agentrl.rollout import dump_trajectories, rollout, rollout_metrics
+from agentrl.rollout import ErroredSteps, dump_trajectories, rollout, rollout_metrics
 from agentrl.run_config import RunConfig
 from agentrl.run_dir import MetricsLog, RunDir
 from agentrl.services import Services
@@ -90,10 +90,11 @@ class Trainer:
         self.learner, self.engine, self.placement = place(config, self.run_dir.root, self.tokenizer, engine)
         self.probe = (PushProbe(self.train_prompts[0], t.probe_tokens, config.rollout.temperature,
                                 t.probe_tolerance, transport(config)) if t.probe_tokens else None)
+        self.errored = ErroredSteps(t.max_errored_frac, t.max_errored_steps)
         self.lookahead = t.max_staleness if t.mode == "async" else 0
         self.sleeps = engine_sleeps(config)
         chunk = t.chunk_tokens if t.mode == "async" else None  # async: updates wait for a token boundary only
-        self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk)
+        self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s)
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
                                 observation_max_chars=spec.budgets.observation_max_chars)
         self.reward = build_reward(spec.reward.name, spec.reward.params)
@@ -143,8 +144,10 @@ class Trainer:
             self.on_step_start(self.step)
         groups, taken = await self._take()
         metrics |= self._rollout_metrics(groups, taken, start)
+        trainable = self.errored.check(groups, self.step)  # errored trajectories are out of the loss (batch.py)
         metrics |= await self._sleep(True)
-        metrics |= await asyncio.to_thread(self.learner.learn, groups)  # the producer goes on meanwhile
+        if trainable:
+            metrics |= await asyncio.to_thread(self.learner.learn, groups)  # the producer goes on meanwhile
         metrics |= await self._sleep(False)
         metrics |= await self._push()
         metrics |= self._record(groups)
@@ -252,8 +255,8 @@ class Trainer:
     async def _push(self) -> dict[str, float]:
         """The learner's weights (its version: the steps done) into the engine, once no request is in flight
         (async: the wait for the requests in flight to reach their chunk's end is timing/update_wait)."""
-        metrics = await self.rollout_engine.update(
-            lambda: push_checked(self.learner, self.engine, self.probe, self.step), version=self.step)
+        metrics = await self.rollout_engine.update(lambda: push_checked(
+            self.learner, self.engine, self.probe, self.step, self.config.trainer.push_timeout_s), version=self.step)
         drain = self.rollout_engine.last_drain
         metrics = metrics | {"timing/update_wait": drain["wait_s"]}
         if self.config.trainer.mode == "async":

@@ -35,10 +35,19 @@ class ToolCall:
     raw: str = ""
 
 
+# Error kinds that mean the tool's service failed, not the model's call: no answer in time, unreachable,
+# an unreadable or failed answer, a client that raised, and HTTP statuses a well-formed call does not
+# cause (a server error, refused credentials, a wrong URL, throttling). The model's own failures (a program
+# that fails or outruns its time limit, a malformed or oversized call) are not among them.
+SERVICE_FAULTS = frozenset({"no_answer", "connection", "bad_response", "sandbox_error", "exception",
+                            "http_401", "http_403", "http_404", "http_408", "http_429"})
+
+
 @dataclass(frozen=True)
 class ToolResult:
     """What a tool answered. A failure is still a result, never an exception: `error` names its kind
-    ("timeout", "http_503", "connection", "malformed", ...) and `text` is what the model sees."""
+    ("timeout": the program's own time limit; "no_answer", "http_503", "connection", "malformed", ...) and
+    `text` is what the model sees."""
 
     text: str
     error: str | None = None
@@ -48,6 +57,11 @@ class ToolResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def service_fault(self) -> bool:
+        """The service failed (SERVICE_FAULTS, or any 5xx): the trajectory is errored, not the model wrong."""
+        return self.error is not None and (self.error in SERVICE_FAULTS or self.error.startswith("http_5"))
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,9 @@ class Trajectory:
     tool_records: list[ToolRecord] = field(default_factory=list)
     reward: RewardResult | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Why the trajectory is errored (its fault, not the model's), or None. "tool": a tool's service failed
+    # after its retries. An errored trajectory is left out of the loss and counted (rollout/errored/<kind>).
+    error: str | None = None
 
     @property
     def response_ids(self) -> list[int]:

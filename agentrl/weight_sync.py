@@ -86,10 +86,18 @@ def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcas
     ray.get([a.weights_loaded.remote() for a in actors])
 
 
-async def push_checked(learner: Any, engine: Any, probe: PushProbe | None, step: int) -> dict[str, float]:
-    """The learner's push into `engine`, then its check by `probe` (None: unchecked)."""
-    metrics = await learner.push(engine)
-    return metrics | (await probe.check(engine, learner, step) if probe is not None else {})
+async def push_checked(learner: Any, engine: Any, probe: PushProbe | None, step: int,
+                       timeout_s: float | None = None) -> dict[str, float]:
+    """The learner's push into `engine`, then its check by `probe` (None: unchecked), within `timeout_s`."""
+    async def push() -> dict[str, float]:
+        metrics = await learner.push(engine)
+        return metrics | (await probe.check(engine, learner, step) if probe is not None else {})
+
+    try:
+        return await asyncio.wait_for(push(), timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"step {step}: the weight push ({learner.transport}) and its check did not finish within "
+                           f"{timeout_s:g} s (trainer.push_timeout_s)") from None
 
 
 class PushProbe:

@@ -130,3 +130,19 @@ def test_a_void_turn_is_the_rollout_s_per_turn_count() -> None:
                                                  timings={"invalid_turns": 1.0, "void_turns": 0.0}))
     with pytest.raises(ValueError, match="void_turns"):
         has_void_turn(dataclasses.replace(t, timings={}))
+
+
+def test_errored_trajectories_are_out_of_the_loss_and_their_groups_statistics() -> None:
+    groups = _groups(n=8, group_size=4)
+    for g, scores in zip(groups, ([1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]), strict=True):
+        g.trajectories = [dataclasses.replace(t, reward=RewardResult(s)) for t, s in zip(g.trajectories, scores, strict=True)]
+    groups[0].trajectories[0] = dataclasses.replace(groups[0].trajectories[0], error="tool")  # its sandbox was down
+    algo = AlgoConfig()
+    step = build_batch(groups, algo=algo, token_budget=400, mini_batches=1, policy=_policy(algo)[0])
+    by_hand = build_batch([Group(g.prompt, [t for t in g.trajectories if t.error is None]) for g in groups], algo=algo,
+                          token_budget=400, mini_batches=1, policy=_policy(algo)[0])
+    assert step.metrics["batch/trajectories"] == 7.0 and all(t.error is None for t in step.trajectories)
+    [batch], [expected] = step.mini_batches, by_hand.mini_batches
+    advantages_BR = batch.gather([mb.advantages_T for mb in batch.micro_batches])
+    assert torch.equal(advantages_BR, expected.gather([mb.advantages_T for mb in expected.micro_batches]))
+    assert not advantages_BR[:3].any()  # group 0 without its errored 1.0: all 0.0, no signal; not -0.25 each

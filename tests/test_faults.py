@@ -54,3 +54,93 @@ def test_a_checkpoint_the_disk_cannot_take_stops_the_run_and_leaves_the_last_one
     monkeypatch.setattr(Learner, "save", real)
     train(config(tmp_path, "trainer.steps=3", "trainer.save_every=1", *QUICK))  # resumes from step 1
     assert [x["step"] for x in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_service_faults_are_told_from_the_models_own_failures() -> None:
+    from agentrl.types import ToolResult
+
+    assert [ToolResult("", error=e).service_fault for e in ("connection", "no_answer", "http_503", "sandbox_error")] \
+        == [True] * 4
+    assert not any(ToolResult("", error=e).service_fault  # the model's program or call, not the service
+                   for e in (None, "timeout", "execution_error", "malformed", "unknown_tool", "http_413", "http_422"))
+
+
+def test_a_tool_service_that_stays_down_errors_its_trajectories_then_stops_the_run(tmp_path):
+    import asyncio
+
+    from agentrl.services import free_port
+    from tests.test_trainer import CODE_TURN, _scripted
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    trainer = _scripted(tmp_path, [CODE_TURN, "\\boxed{42}"], "trainer.steps=4", f"services.sandbox={dead}",
+                        "trainer.max_errored_steps=3", "trainer.samples_per_step=0")
+    with pytest.raises(RuntimeError, match=r"step 3: 100% of the step's trajectories are errored \(tool: 16; .*"
+                                           r"3 steps in a row \(trainer.max_errored_steps\)"):
+        asyncio.run(trainer.run())
+    m = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [x["rollout/errored/tool"] for x in m] == [1.0, 1.0]  # steps 1 and 2: warned, counted
+    assert not any(k.startswith("actor/") for x in m for k in x)  # nothing errored was trained on
+
+
+def test_an_engine_that_stops_answering_in_the_middle_of_a_push_stops_the_run(tmp_path, monkeypatch):
+    import asyncio
+
+    from agentrl.engine.hf import HFEngine
+
+    real = HFEngine.update_weights
+    pushes = []
+
+    async def stuck(self, named_tensors):  # the initial push goes through; the next one hangs after a tensor
+        pushes.append(1)
+        if len(pushes) == 1:
+            return await real(self, named_tensors)
+        await real(self, [next(iter(named_tensors))])
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(HFEngine, "update_weights", stuck)
+    with pytest.raises(RuntimeError, match=r"step 1: the weight push \(tensors\) and its check did not finish within "
+                                           r"1 s \(trainer.push_timeout_s\)"):
+        train(config(tmp_path, "trainer.steps=2", "trainer.push_timeout_s=1", "trainer.save_every=0", *QUICK))
+
+
+def test_an_engine_request_that_never_answers_stops_the_run(tmp_path, monkeypatch):
+    import asyncio
+
+    from agentrl.engine.hf import HFEngine
+
+    async def silent(self, prompt_ids, sampling, *, session=None):
+        if sampling.max_tokens != 32:  # the probe (trainer.probe_tokens) is answered; rollout requests are not
+            await asyncio.Event().wait()
+        return await real(self, prompt_ids, sampling, session=session)
+
+    real = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "generate", silent)
+    with pytest.raises(RuntimeError, match=r"the engine \(HFEngine\) did not answer a request within 1 s "
+                                           r"\(engine.request_timeout_s\)"):
+        train(config(tmp_path, "trainer.steps=1", "engine.request_timeout_s=1", "trainer.save_every=0", *QUICK))
+
+
+@pytest.mark.slow
+def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
+    import types
+
+    ray = pytest.importorskip("ray")
+    from agentrl.ray_placement import RayLearner
+
+    @ray.remote
+    class Stuck:
+        def learn(self, groups):
+            import time
+
+            time.sleep(3600)  # a rank lost in a collective
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        learner = RayLearner.__new__(RayLearner)  # its _all alone, over one stuck actor
+        learner.ranks = [Stuck.remote()]
+        learner.config = types.SimpleNamespace(placement=types.SimpleNamespace(call_timeout_s=1.0))
+        with pytest.raises(RuntimeError, match=r"learner rank 0 .* did not return from learn within 1 s "
+                                               r"\(placement.call_timeout_s\)"):
+            learner._all("learn", [])
+    finally:
+        ray.shutdown()

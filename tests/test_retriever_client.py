@@ -234,7 +234,7 @@ def test_timeout_becomes_an_error_result():
 
     with serving(app) as url:
         result = _run(_call(url, "x", timeout_s=0.2, max_retries=1, backoff_s=0.01))
-    assert result.error == "timeout" and "0.2s" in result.text and result.metadata["attempts"] == 2
+    assert result.error == "no_answer" and "0.2s" in result.text and result.metadata["attempts"] == 2
 
 
 def test_refused_connection_becomes_an_error_result():

@@ -408,7 +408,7 @@ def test_a_tool_that_hangs_or_raises_becomes_an_observation(tok):
     budgets = Budgets(max_turns=2, max_tool_calls=1)
     (g0,) = run(rollout(prompts[:1], engine=engine, fmt=TorlFormat(), tools={"python": slow}, budgets=budgets, tokenizer=tok, config=cfg))
     t = g0.trajectories[0]
-    assert t.tool_records[0].result.error == "timeout" and "did not answer" in tok.decode(t.segments[1].token_ids)
+    assert t.tool_records[0].result.error == "no_answer" and "did not answer" in tok.decode(t.segments[1].token_ids)
     (g1,) = run(rollout(prompts[1:], engine=engine, fmt=TorlFormat(), tools={"python": FunctionTool("python", boom)},
                         budgets=budgets, tokenizer=tok, config=cfg))
     t = g1.trajectories[0]

@@ -26,6 +26,12 @@ def reward_of(trajectory: Trajectory) -> float:
     return trajectory.reward.score
 
 
+def without_errored(groups: Sequence[Group]) -> list[Group]:
+    """The groups without their errored trajectories (a tool's service failed: not the model's doing), so
+    these are neither in the loss nor in their group's statistics; a group left empty is dropped."""
+    return [Group(g.prompt, kept) for g in groups if (kept := [t for t in g.trajectories if t.error is None])]
+
+
 def flatten_groups(groups: Sequence[Group]) -> tuple[list[Trajectory], Tensor, Tensor]:
     """Groups -> (trajectories in order, rewards_B, group_ids_B): the inputs of advantage.py."""
     trajectories = [t for g in groups for t in g.trajectories]

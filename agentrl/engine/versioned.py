@@ -26,10 +26,12 @@ from agentrl.engine import Completion, Sampling, completed_stop
 
 
 class VersionedEngine:
-    def __init__(self, engine: Any, tokenizer: Any, chunk_tokens: int | None = None, version: int = 0) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, chunk_tokens: int | None = None, version: int = 0,
+                 timeout_s: float | None = None) -> None:
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be at least 1 (or None: no chunks), got {chunk_tokens}")
         self.engine, self.tokenizer, self.chunk_tokens = engine, tokenizer, chunk_tokens
+        self.timeout_s = timeout_s  # for one engine request: past it, an error naming the engine
         self.version = version
         self.max_context_tokens = getattr(engine, "max_context_tokens", None)
         self._in_flight = 0
@@ -79,7 +81,10 @@ class VersionedEngine:
             self._in_flight += 1
             version = self.version
         try:
-            return await self.engine.generate(ids, sampling, session=session), version
+            return await asyncio.wait_for(self.engine.generate(ids, sampling, session=session), self.timeout_s), version
+        except TimeoutError:
+            raise RuntimeError(f"the engine ({type(self.engine).__name__}) did not answer a request within "
+                               f"{self.timeout_s:g} s (engine.request_timeout_s)") from None
         finally:
             async with self._changed:
                 self._in_flight -= 1

@@ -87,7 +87,7 @@ class CodeTool:
                     if isinstance(e, httpx.ConnectTimeout):
                         failure = _failure("connection", f"could not connect to the sandbox: {e!r}")
                     else:  # the service took the request; re-sending would run the code twice
-                        return _failure("timeout", f"the sandbox did not answer in time ({e!r})",
+                        return _failure("no_answer", f"the sandbox did not answer in time ({e!r})",
                                         started, attempts)
                 except httpx.TransportError as e:
                     failure = _failure("connection", f"could not reach the sandbox at {self.base_url}: {e!r}")

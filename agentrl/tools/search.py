@@ -15,7 +15,7 @@ anew, once.
 
 Failures never raise out of `call` or `batch`, since a rollout must go on when a tool fails: a timeout, a
 5xx or a refused connection is retried a bounded number of times with exponential backoff, then becomes
-a ToolResult whose `error` is "timeout", "http_503", "connection", ... and whose text tells the model the
+a ToolResult whose `error` is "no_answer", "http_503", "connection", ... and whose text tells the model the
 search failed. The rollout renders the text inside `<information>` (tools/formats.py).
 """
 
@@ -210,7 +210,7 @@ class SearchTool:
         try:
             response = await self._client.post(self.url, json=payload)
         except httpx.TimeoutException:
-            return "timeout", f"the search service did not answer within {self.timeout_s:g}s", None, True
+            return "no_answer", f"the search service did not answer within {self.timeout_s:g}s", None, True
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
             return "connection", f"cannot reach the search service at {self.url} ({type(e).__name__})", None, True
         except httpx.HTTPError as e:  # any other transport failure (a protocol or decoding error): not retried
