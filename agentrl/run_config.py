@@ -131,6 +131,8 @@ class ServicesConfig(StrictModel):
     retriever: str = "auto"
     retriever_index: str | None = Field(None, description="index dir the auto retriever serves")
     startup_timeout_s: float = Field(300.0, gt=0)
+    watch_interval_s: float = Field(1.0, ge=0, description="how often, during a step, the trainer checks that its "
+                                    "auto services are alive and starts a dead one again; 0: only between steps")
 
 
 class LoggingConfig(StrictModel):

@@ -175,10 +175,10 @@ class MetricsLog:
             atomic_write_text(path, new() + "\n")
         return path.read_text().strip()
 
-    def rollout_started(self, trajectories: int) -> Callable[[int], None] | None:
+    def rollout_started(self, trajectories: int) -> Callable[[int], None]:
         """Show a step's rollout of `trajectories`; returns the tick to call with each count that arrives."""
         if self.bar is None:
-            return None
+            return lambda done: None
         self.bar.reset(self.rollout_task, total=trajectories, visible=True, description="rollout")
         return lambda done: self.bar.advance(self.rollout_task, done)
 

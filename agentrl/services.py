@@ -5,20 +5,22 @@ output in `<run_dir>/logs/<name>.log`; `services.sandbox_replicas` sandboxes sha
 (tools.Replicas sends them round-robin). With `services.on_ray` each auto service runs in a Ray actor
 instead (RayService), spread over the cluster's nodes and bound to its node's address, the
 sandbox then behind a token the run generates. `start` waits until `/health` answers; a service that exits or
-does not answer in time fails the run at once, naming the service and its log. Between steps the trainer
-calls `revive`: a service that died is started again on the same port, so the tool clients' URLs stay
-valid. While it is down its tool calls fail, and those failures are observations the model sees (the
+does not answer in time fails the run at once, naming the service and its log. At each step's start and,
+during the step, every `services.watch_interval_s` (`watch`), the trainer calls `revive`: a service that
+died is started again on the same port, so the tool clients' URLs stay valid. While it is down its tool calls fail, and those failures are observations the model sees (the
 clients never raise), so the run goes on. `stop` ends them at exit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,6 +122,8 @@ class Services:
     def __init__(self, tools: list[str], config: ServicesConfig, log_dir: Path) -> None:
         self.urls: dict[str, str | list[str]] = {}
         self.managed: list[ServiceProcess] = []
+        self.watch_interval_s = config.watch_interval_s
+        self._reviving = threading.Lock()  # the watcher's thread and the step's start revive one at a time
         self.sandbox_token = config.sandbox_token
         make = RayService if config.on_ray else ServiceProcess
         wanted = {"python": ("sandbox", config.sandbox), "search": ("retriever", config.retriever)}
@@ -157,11 +161,19 @@ class Services:
     def revive(self) -> dict[str, float]:
         """Restart any auto service that died; metrics `services/<module>_restarts` (cumulative, over its replicas)."""
         restarts: dict[str, float] = {}
-        for service in self.managed:
-            service.revive()
-            key = f"services/{service.module}_restarts"
-            restarts[key] = restarts.get(key, 0.0) + service.restarts
+        with self._reviving:
+            for service in self.managed:
+                service.revive()
+                key = f"services/{service.module}_restarts"
+                restarts[key] = restarts.get(key, 0.0) + service.restarts
         return restarts
+
+    async def watch(self) -> None:
+        """Revive dead auto services every `watch_interval_s` until cancelled (nothing to watch: returns), so
+        one that dies mid-step is back within the step; its calls fail as observations meanwhile."""
+        while self.managed and self.watch_interval_s > 0:
+            await asyncio.sleep(self.watch_interval_s)
+            await asyncio.to_thread(self.revive)
 
     def stop(self) -> None:
         for service in self.managed:

@@ -113,7 +113,7 @@ class Trainer:
         await self._push()  # the engine starts from the learner's weights
         try:
             with self.services, self.log:
-                producer = asyncio.create_task(self._produce())
+                background = [asyncio.create_task(self._produce()), asyncio.create_task(self.services.watch())]
                 try:
                     while self.step < self.total_steps:
                         self.step += 1
@@ -122,8 +122,9 @@ class Trainer:
                     e.add_note(f"(training step {self.step} of {self.total_steps}; run dir {self.run_dir.root})")
                     raise
                 finally:
-                    producer.cancel()
-                    await asyncio.gather(producer, return_exceptions=True)
+                    for task in background:
+                        task.cancel()
+                    await asyncio.gather(*background, return_exceptions=True)
         finally:
             for tool in self.tools.values():
                 await tool.aclose()
@@ -214,8 +215,7 @@ class Trainer:
                 async with self.room:  # dropped: room for another
                     self.open -= 1
                     self.room.notify_all()
-            if tick is not None:
-                tick(len(item[3].trajectories))
+            tick(len(item[3].trajectories))
         self._log_prompt_stats(taken.all)
         kept = taken.kept or taken.fresh[: t.prompts_per_step]
         return [g for *_, g in sorted(kept, key=lambda item: item[0])], taken
@@ -258,7 +258,7 @@ class Trainer:
         metrics = await self.rollout_engine.update(lambda: push_checked(
             self.learner, self.engine, self.probe, self.step, self.config.trainer.push_timeout_s), version=self.step)
         drain = self.rollout_engine.last_drain
-        metrics = metrics | {"timing/update_wait": drain["wait_s"]}
+        metrics["timing/update_wait"] = drain["wait_s"]
         if self.config.trainer.mode == "async":
             metrics["async/drained_requests"] = float(drain["requests"])
         return metrics

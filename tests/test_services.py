@@ -42,3 +42,31 @@ def test_sandbox_replicas_share_the_calls_round_robin(tmp_path):
     assert {p.name for p in tmp_path.glob("*.log")} == {"sandbox-0.log", "sandbox-1.log"}
     # owner-only: a service's log holds what its clients sent
     assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("*.log")} == {0o600}
+
+
+def test_a_service_killed_mid_step_is_back_without_waiting_for_the_next_step(tmp_path):
+    import os
+    import signal
+    import time
+
+    config = ServicesConfig(sandbox_args=["--workers", "1"], watch_interval_s=0.2)
+    with Services(["python"], config, tmp_path) as services:
+        tool = build_tools(services.urls)["python"]
+        service = services.managed[0]
+
+        async def run() -> tuple[list, int]:
+            watcher = asyncio.create_task(services.watch())
+            try:
+                os.killpg(service.proc.pid, signal.SIGKILL)  # as a crash would, mid-step
+                service.proc.wait()
+                deadline = time.monotonic() + 120  # a bound, not a timing: the watcher starts it again
+                while service.restarts == 0 or not service.alive:
+                    assert time.monotonic() < deadline, "the watcher never started the sandbox again"
+                    await asyncio.sleep(0.05)
+                return await _calls(tool, 1), service.restarts
+            finally:
+                watcher.cancel()
+                await tool.aclose()
+
+        [result], restarts = asyncio.run(run())
+    assert restarts == 1 and result.error is None and result.text.strip() == "42"  # on the same URL
