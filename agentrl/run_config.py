@@ -72,6 +72,8 @@ class EngineConfig(StrictModel):
         "run samples what the uninterrupted one did; vLLM then draws each seeded request's noise on its own, "
         "at a cost per engine step (BENCHMARKS.md). false: the engine's one seeded stream (the hf engine "
         "always seeds per request)")
+    max_restarts: int = Field(10, ge=0, description="an engine in a process of its own that dies is started "
+                              "again with the learner's weights, this many times in a run at most")
     request_timeout_s: float = Field(1800.0, gt=0, description="an engine request (a turn, or an async chunk) "
                                      "that does not answer within this stops the run, naming the engine")
 

@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentrl.algo.sampling import DynamicSampler
+from agentrl.algo.sampling import DynamicSampler, Scored, StepIntake
 from agentrl.build import run_tokenizer
 from agentrl.config import write_resolved
+from agentrl.engine.process import ProcessEngine
 from agentrl.engine.versioned import VersionedEngine
 from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
@@ -46,9 +47,6 @@ from agentrl.tools import build_tools
 from agentrl.tools.formats import build_format
 from agentrl.types import Group, Prompt
 from agentrl.weight_sync import PushProbe, push_checked, transport
-
-# A scored group as the producer hands it over: (draw index, epoch, prompt, group).
-Scored = tuple[int, int, Prompt, Group]
 
 
 def sampling_seed(seed: int, index: int, per_step: int) -> int:
@@ -94,7 +92,10 @@ class Trainer:
         self.lookahead = t.max_staleness if t.mode == "async" else 0
         self.sleeps = engine_sleeps(config)
         chunk = t.chunk_tokens if t.mode == "async" else None  # async: updates wait for a token boundary only
-        self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s)
+        revive = self._revive_engine if isinstance(self.engine, ProcessEngine) else None
+        self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s,
+                                              revive=revive)
+        self.learning = asyncio.Lock()  # held while the learner's weights change
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
                                 observation_max_chars=spec.budgets.observation_max_chars)
         self.reward = build_reward(spec.reward.name, spec.reward.params)
@@ -148,7 +149,8 @@ class Trainer:
         trainable = self.errored.check(groups, self.step)  # errored trajectories are out of the loss (batch.py)
         metrics |= await self._sleep(True)
         if trainable:
-            metrics |= await asyncio.to_thread(self.learner.learn, groups)  # the producer goes on meanwhile
+            async with self.learning:
+                metrics |= await asyncio.to_thread(self.learner.learn, groups)  # the producer goes on meanwhile
         metrics |= await self._sleep(False)
         metrics |= await self._push()
         metrics |= self._record(groups)
@@ -199,13 +201,13 @@ class Trainer:
         except BaseException as e:  # the step's side raises it
             await self.queue.put(e)
 
-    async def _take(self) -> tuple[list[Group], _Taken]:
+    async def _take(self) -> tuple[list[Group], StepIntake]:
         """The step's groups: the first `prompts_per_step` to arrive that are fresh enough and (with DAPO's
         dynamic sampling) informative, in draw order. Without one informative group in `max_rounds` steps'
         worth, the first `prompts_per_step` fresh ones (their group advantages are zero: only the KL and
         entropy terms move the policy)."""
         t, ds = self.config.trainer, self.config.algo.dynamic_sampling
-        taken = _Taken(self.rollout_engine.version, DynamicSampler(t.prompts_per_step, ds.max_rounds))
+        taken = StepIntake(self.rollout_engine.version, DynamicSampler(t.prompts_per_step, ds.max_rounds))
         tick = self.log.rollout_started(t.prompts_per_step * self.config.rollout.n)
         while len(taken.kept) < t.prompts_per_step and not (ds.enabled and taken.sampler.exhausted):
             item = await self.queue.get()
@@ -220,7 +222,7 @@ class Trainer:
         kept = taken.kept or taken.fresh[: t.prompts_per_step]
         return [g for *_, g in sorted(kept, key=lambda item: item[0])], taken
 
-    def _rollout_metrics(self, groups: list[Group], taken: _Taken, start: float) -> dict[str, float]:
+    def _rollout_metrics(self, groups: list[Group], taken: StepIntake, start: float) -> dict[str, float]:
         metrics = rollout_metrics([tr for *_, g in taken.all for tr in g.trajectories])
         metrics["timing/rollout"] = time.perf_counter() - start  # the learner's wait for groups
         if self.config.algo.dynamic_sampling.enabled:
@@ -259,9 +261,21 @@ class Trainer:
             self.learner, self.engine, self.probe, self.step, self.config.trainer.push_timeout_s), version=self.step)
         drain = self.rollout_engine.last_drain
         metrics["timing/update_wait"] = drain["wait_s"]
+        if isinstance(self.engine, ProcessEngine):
+            metrics["engine/restarts"] = float(self.engine.restarts)
         if self.config.trainer.mode == "async":
             metrics["async/drained_requests"] = float(drain["requests"])
         return metrics
+
+    async def _revive_engine(self) -> None:
+        """The engine process died: start it again and give it the learner's weights, once the learner is
+        between steps (they are then the last pushed, or the step's about to be)."""
+        if self.engine.restarts >= self.config.engine.max_restarts:
+            raise RuntimeError(f"the engine process died again after {self.engine.restarts} restarts "
+                               "(engine.max_restarts): the run stops")
+        await self.engine.restart()
+        async with self.learning:
+            await push_checked(self.learner, self.engine, self.probe, self.step, self.config.trainer.push_timeout_s)
 
     async def _sleep(self, asleep: bool) -> dict[str, float]:
         """Free the engine's GPU memory for the learner (`asleep`), or take it back, where it sleeps."""
@@ -310,32 +324,6 @@ class Trainer:
                                 budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
                                 temperature=t.eval_temperature, seed=t.seed, answer_format=answer_format(spec.reward.name))
         return result.metrics | {"timing/validation": time.perf_counter() - start}
-
-
-class _Taken:
-    """What one step took from the queue: every group (`all`), the stale ones, the fresh ones (the rest),
-    the kept ones (fresh, and informative where DAPO's filter is on)."""
-
-    def __init__(self, version: int, sampler: DynamicSampler) -> None:
-        self.version, self.sampler = version, sampler  # the learner's version when the step began
-        self.all: list[Scored] = []
-        self.stale: list[Scored] = []
-        self.fresh: list[Scored] = []
-        self.kept: list[Scored] = []
-
-    def add(self, item: Scored, max_lag: int, dynamic_sampling: bool) -> bool:
-        """Whether `item` is kept: its oldest token at most `max_lag` versions old, and informative where
-        DAPO's filter is on."""
-        self.all.append(item)
-        versions = [v for tr in item[3].trajectories for v in tr.versions]
-        if self.version - min(versions, default=self.version) > max_lag:
-            self.stale.append(item)
-            return False
-        self.fresh.append(item)
-        if dynamic_sampling and not self.sampler.offer(item[3]):
-            return False
-        self.kept.append(item)
-        return True
 
 
 def train(config: RunConfig, **kwargs: Any) -> RunDir:

@@ -144,3 +144,36 @@ def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
             learner._all("learn", [])
     finally:
         ray.shutdown()
+
+
+def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weights(tmp_path):
+    import asyncio
+    import os
+    import signal
+
+    from agentrl.build import build_lm, run_tokenizer
+    from agentrl.engine.process import ProcessEngine
+    from agentrl.trainer import Trainer
+
+    cfg = config(tmp_path, "trainer.steps=3", "trainer.save_every=0", "algo.entropy_coef=0.05", *QUICK)
+    model_dir = tmp_path / "init"
+    build_lm(cfg).save_pretrained(model_dir)
+    run_tokenizer(cfg).save_pretrained(model_dir)
+    engine = ProcessEngine("agentrl.engine.hf:HFEngine.from_pretrained", {"path": str(model_dir), "seed": 0})
+    trainer = Trainer(cfg, engine=engine)
+
+    def kill_at_step_2(step: int) -> None:
+        if step == 2:  # the step's rollout requests then fail: the engine comes back and they go again
+            os.kill(engine.process.pid, signal.SIGKILL)
+            engine.process.join()
+
+    trainer.on_step_start = kill_at_step_2
+    try:
+        run = asyncio.run(trainer.run()).root
+    finally:
+        asyncio.run(engine.aclose())
+    m = read_jsonl(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3]
+    assert [x["engine/restarts"] for x in m] == [0.0, 1.0, 1.0]
+    assert all(x["sync/probe_gap"] < 1e-4 for x in m)  # after the restart too: the learner's weights, checked
+    assert all(x["rollout/errored"] == 0.0 for x in m)  # the failed requests went again: no trajectory lost

@@ -1,7 +1,8 @@
 """Group-level choices between the reward and the advantage: DAPO's dynamic sampling and overlong shaping.
 
-The trainer offers each rewarded `Group` (agentrl/types.py) to `DynamicSampler`, which keeps the groups
-that carry a learning signal (rewards not all equal) until a step's batch is full;
+The trainer takes each step's groups as they arrive through `StepIntake` (stale ones dropped), which offers
+each to `DynamicSampler`, keeping the groups that carry a learning signal (rewards not all equal) until the
+step's batch is full;
 `flatten_groups` then gives advantage.py its `rewards_B` and `group_ids_B`. `overlong_penalty` is added to
 rewards before advantages; `keep_untruncated` zeroes the loss of truncated trajectories (applied by the
 packer as a whole-row factor on `Trajectory.loss_mask`, never by rebuilding the mask).
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from agentrl.types import Group, StopReason, Trajectory
+from agentrl.types import Group, Prompt, StopReason, Trajectory
 
 # Stop reasons that mean "cut by a length budget", the trajectories DAPO's overlong filter masks out.
 TRUNCATED = frozenset({StopReason.RESPONSE_BUDGET, StopReason.CONTEXT_LIMIT, StopReason.TURN_LENGTH})
@@ -78,6 +79,37 @@ class DynamicSampler:
             "rollout/dynamic_sampling_rounds": float(-(-self.seen // self.target_groups)),
             "rollout/informative_group_frac": self.informative / self.seen if self.seen else 0.0,
         }
+
+
+# A scored group as the trainer's producer hands it over: (draw index, epoch, prompt, group).
+Scored = tuple[int, int, Prompt, Group]
+
+
+class StepIntake:
+    """What one training step took of the scored groups as they arrived: every group (`all`), the stale
+    ones (their oldest token too many policy versions old), the fresh ones (the rest), the kept ones (fresh,
+    and informative where DAPO's filter is on)."""
+
+    def __init__(self, version: int, sampler: DynamicSampler) -> None:
+        self.version, self.sampler = version, sampler  # the learner's version when the step began
+        self.all: list[Scored] = []
+        self.stale: list[Scored] = []
+        self.fresh: list[Scored] = []
+        self.kept: list[Scored] = []
+
+    def add(self, item: Scored, max_lag: int, dynamic_sampling: bool) -> bool:
+        """Whether `item` is kept: its oldest token at most `max_lag` versions old, and informative where
+        DAPO's filter is on."""
+        self.all.append(item)
+        versions = [v for tr in item[3].trajectories for v in tr.versions]
+        if self.version - min(versions, default=self.version) > max_lag:
+            self.stale.append(item)
+            return False
+        self.fresh.append(item)
+        if dynamic_sampling and not self.sampler.offer(item[3]):
+            return False
+        self.kept.append(item)
+        return True
 
 
 def overlong_penalty(response_lens_B: Tensor, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> Tensor:

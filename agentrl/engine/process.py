@@ -59,16 +59,24 @@ class ProcessEngine:
         ref = factory if isinstance(factory, str) else f"{factory.__module__}:{factory.__qualname__}"
         if ":" not in ref or "<locals>" in ref:
             raise ValueError(f"engine factory {ref!r}: expected 'module:name' of a class or module-level function")
+        self._ref, self._kwargs, self._env, self._start_timeout_s = ref, kwargs or {}, env or {}, start_timeout_s
+        self._ids = itertools.count()
+        self._closed = False  # by aclose: no restart
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        """Spawn the child and wait until its engine is made (blocking); the streams open on the first call."""
         self._dir = tempfile.mkdtemp(prefix="agentrl-engine-")
         path = os.path.join(self._dir, "socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=child_main, args=(path, ref, kwargs or {}), name=f"agentrl-engine-{ref}")
+            target=child_main, args=(path, self._ref, self._kwargs), name=f"agentrl-engine-{self._ref}")
         with _ENV_LOCK:  # in the environment the child's interpreter starts with, before any import
-            saved = {k: os.environ.get(k) for k in env or {}}
-            os.environ.update(env or {})
+            saved = {k: os.environ.get(k) for k in self._env}
+            os.environ.update(self._env)
             try:
                 self.process.start()
             finally:
@@ -78,7 +86,7 @@ class ProcessEngine:
                     else:
                         os.environ[k] = v
         try:
-            sock = _accept(listener, self.process, start_timeout_s)
+            sock = _accept(listener, self.process, self._start_timeout_s)
         except BaseException:
             _reap(self.process, self._dir, None)
             raise
@@ -90,23 +98,34 @@ class ProcessEngine:
         self._finalizer = weakref.finalize(self, _reap, self.process, self._dir, sock)
         atexit.register(self._finalizer)
         try:
-            _, (status, value) = _read_sync(sock, self.process, start_timeout_s)
+            _, (status, value) = _read_sync(sock, self.process, self._start_timeout_s)
         except BaseException:
             self._finalizer()
             raise
         if status != "ready":
             self._finalizer()
-            raise RuntimeError(f"the engine process could not make {ref}") from value
+            raise RuntimeError(f"the engine process could not make {self._ref}") from value
         self.max_context_tokens: int | None = value
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opening: asyncio.Task | None = None
         self._replies: asyncio.Task | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, tuple[str, asyncio.Future]] = {}
-        self._ids = itertools.count()
         self._gone: str | None = None  # why no call can be made any more
         self._generating = 0
         self._updating = 0  # update_weights / load_weight_bucket calls under way
+
+    async def restart(self) -> None:
+        """Replace a child that died with a fresh one, its engine made by the factory as at the start (its
+        weights are the factory's, not the last pushed: the caller pushes them again). Calls that failed
+        with the old child stay failed; `restarts` counts."""
+        if self._closed or self._gone is None:
+            raise RuntimeError("restart(): only an engine process that died is started again "
+                               f"({'closed by aclose' if self._closed else 'it is running'})")
+        atexit.unregister(self._finalizer)
+        await asyncio.to_thread(self._finalizer)
+        await asyncio.to_thread(self._start)
+        self.restarts += 1
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
         if self._updating:
@@ -183,6 +202,7 @@ class ProcessEngine:
     async def aclose(self) -> None:
         """Close the engine in the child and end the process; calls still waiting fail with EngineClosed.
         An error from the engine's own aclose is raised here (the process is ended all the same)."""
+        self._closed = True
         error: BaseException | None = None
         other_loop = self._loop is not None and self._loop is not asyncio.get_running_loop()
         if self._gone is None and self._finalizer.alive and not other_loop:  # else: the socket closes, the child ends

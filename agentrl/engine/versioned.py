@@ -20,18 +20,25 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentrl.engine import Completion, Sampling, completed_stop
+from agentrl.engine.process import EngineClosed
 
 
 class VersionedEngine:
     def __init__(self, engine: Any, tokenizer: Any, chunk_tokens: int | None = None, version: int = 0,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, revive: Callable[[], Awaitable[None]] | None = None) -> None:
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be at least 1 (or None: no chunks), got {chunk_tokens}")
         self.engine, self.tokenizer, self.chunk_tokens = engine, tokenizer, chunk_tokens
         self.timeout_s = timeout_s  # for one engine request: past it, an error naming the engine
+        # A dead engine process (EngineClosed) started again with the learner's weights; the requests it
+        # failed are sent again, continuing from the ids they had. None: the error is raised.
+        self.revive = revive
+        self._revivals = 0
+        self._reviving = asyncio.Lock()
         self.version = version
         self.max_context_tokens = getattr(engine, "max_context_tokens", None)
         self._in_flight = 0
@@ -81,7 +88,18 @@ class VersionedEngine:
             self._in_flight += 1
             version = self.version
         try:
-            return await asyncio.wait_for(self.engine.generate(ids, sampling, session=session), self.timeout_s), version
+            while True:
+                revivals = self._revivals
+                try:
+                    return await asyncio.wait_for(self.engine.generate(ids, sampling, session=session),
+                                                  self.timeout_s), version
+                except EngineClosed:
+                    if self.revive is None:
+                        raise
+                async with self._reviving:  # the first request to fail revives it, the others wait and retry
+                    if self._revivals == revivals:
+                        await self.revive()
+                        self._revivals += 1
         except TimeoutError:
             raise RuntimeError(f"the engine ({type(self.engine).__name__}) did not answer a request within "
                                f"{self.timeout_s:g} s (engine.request_timeout_s)") from None
