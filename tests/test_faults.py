@@ -1,5 +1,7 @@
-"""Faults a long run meets, produced on purpose on configs/debug_cpu.yaml: losses that stop being finite,
-a checkpoint the disk cannot take. Each is survived and counted, or stops the run with its cause."""
+"""Faults a long run meets, produced on purpose on configs/debug_cpu.yaml: losses that stop being finite, a
+checkpoint the disk cannot take, a tool service that stays down, waits that never end, an engine process
+that dies; and a chaos run with several at once, then its resume. Each is survived and counted, or stops
+the run with its cause."""
 
 from __future__ import annotations
 
@@ -146,6 +148,7 @@ def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weights(tmp_path):
     import asyncio
     import os
@@ -177,3 +180,108 @@ def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weight
     assert [x["engine/restarts"] for x in m] == [0.0, 1.0, 1.0]
     assert all(x["sync/probe_gap"] < 1e-4 for x in m)  # after the restart too: the learner's weights, checked
     assert all(x["rollout/errored"] == 0.0 for x in m)  # the failed requests went again: no trajectory lost
+
+
+class ForcedEngine:
+    """A real model's weights that write a script: turn k of every trajectory is `turns[k]` (as test_trainer's
+    ScriptedEngine), scored by the model at the request's temperature, so that the tool calls are certain while
+    the weight push and its check are real."""
+
+    turn_marker = "```output"
+
+    def __init__(self, path: str, turns: list[str]) -> None:
+        from agentrl.engine.hf import HFEngine
+
+        self.inner = HFEngine.from_pretrained(path, seed=0)
+        self.tokenizer, self.turns = self.inner.tokenizer, turns
+        self.max_context_tokens = self.inner.max_context_tokens
+
+    async def generate(self, prompt_ids, sampling, *, session=None):
+        import torch
+
+        from agentrl.engine import Completion
+
+        turn = self.tokenizer.decode(prompt_ids).count(self.turn_marker)
+        ids = self.tokenizer.encode(self.turns[min(turn, len(self.turns) - 1)], add_special_tokens=False)
+        stop = next((s for s in sampling.stop if self.tokenizer.decode(ids).endswith(s)), None)
+        ids = (ids if stop else ids + [self.tokenizer.eos_token_id])[: sampling.max_tokens]
+        with torch.no_grad():
+            logits = self.inner.model(input_ids=torch.tensor([list(prompt_ids) + ids])).logits[0].float()
+        scaled = torch.log_softmax(logits[len(prompt_ids) - 1: -1] / sampling.temperature, -1)
+        return Completion(ids, scaled.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist(), "stop", stop)
+
+    async def update_weights(self, named_tensors) -> None:
+        await self.inner.update_weights(named_tensors)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.slow
+def test_chaos_a_run_survives_its_faults_stops_on_a_lost_push_and_resumes(tmp_path, monkeypatch):
+    """One seeded run: the engine process killed (step 2), the sandbox killed (step 3), a tool call that
+    never answers (step 4), a push that silently delivers nothing (step 5); then a resume to the end."""
+    import asyncio
+    import os
+    import signal
+
+    from agentrl.build import build_lm, run_tokenizer
+    from agentrl.engine.process import ProcessEngine
+    from agentrl.tools.code import CodeTool
+    from agentrl.trainer import Trainer
+    from tests.test_trainer import CODE_TURN
+
+    sets = ("trainer.steps=6", "trainer.save_every=1", "rollout.tool_timeout_s=3", "learner.optim.lr=0.01",
+            "algo.entropy_coef=0.05", *QUICK)
+    cfg = config(tmp_path, *sets)
+    model_dir = tmp_path / "init"
+    build_lm(cfg).save_pretrained(model_dir)
+    run_tokenizer(cfg).save_pretrained(model_dir)
+
+    def engine() -> ProcessEngine:
+        return ProcessEngine(f"{__name__}:ForcedEngine", {"path": str(model_dir), "turns": [CODE_TURN, "\\boxed{42}"]})
+
+    fault = {"step": 0}
+    real_call, real_push = CodeTool.call, Learner.push
+
+    async def call(self, tool_call):
+        if fault["step"] == 4 and not fault.get("hung"):
+            fault["hung"] = True
+            await asyncio.Event().wait()  # never answers: rollout.tool_timeout_s ends it
+        return await real_call(self, tool_call)
+
+    async def push(self, target):
+        return {"timing/weight_sync": 0.0} if fault["step"] == 5 else await real_push(self, target)
+
+    monkeypatch.setattr(CodeTool, "call", call)
+    monkeypatch.setattr(Learner, "push", push)
+    first = engine()
+    trainer = Trainer(cfg, engine=first)
+
+    def inject(step: int) -> None:
+        fault["step"] = step
+        if step == 2:
+            os.kill(first.process.pid, signal.SIGKILL)
+        elif step == 3:
+            os.killpg(trainer.services.managed[0].proc.pid, signal.SIGKILL)
+
+    trainer.on_step_start = inject
+    try:
+        with pytest.raises(RuntimeError, match=r"step 5: after the weight push \(tensors\) engine 0's logprobs"):
+            asyncio.run(trainer.run())
+    finally:
+        asyncio.run(first.aclose())
+    m = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert [x["engine/restarts"] for x in m] == [0.0, 1.0, 1.0, 1.0]
+    assert m[3]["services/sandbox_restarts"] == 1.0 and m[3]["rollout/errored/tool"] > 0  # the hung call
+    for x in m:  # errored trajectories are out of the batch: only the others were trained on
+        assert x.get("batch/trajectories", 0.0) == round(16 * (1 - x["rollout/errored"]))  # 0: all errored
+
+    fault["step"] = 0
+    again = engine()
+    try:
+        asyncio.run(Trainer(config(tmp_path, *sets), engine=again).run())  # from step 4's checkpoint
+    finally:
+        asyncio.run(again.aclose())
+    assert [x["step"] for x in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
