@@ -18,6 +18,7 @@ actor; the run stops and resumes from its last checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -219,9 +220,10 @@ class RayLearner:
         return self._all("score", trajectory)[0]
 
     async def push(self, engine: Any) -> dict[str, float]:
-        """The policy's weights into the run's engines (an EnginePool of RayEngines, as `place` makes it)."""
+        """The policy's weights into the run's engines (an EnginePool of RayEngines, as `place` makes it); in a
+        thread, so the event loop stays free and trainer.push_timeout_s can end the wait."""
         start = time.perf_counter()
-        self._all("push", [e.actor for e in engine.engines], self.transport)
+        await asyncio.to_thread(self._all, "push", [e.actor for e in engine.engines], self.transport)
         return {"timing/weight_sync": time.perf_counter() - start}
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
