@@ -132,6 +132,10 @@ class ProbeEngine:
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
 
+    def start_helper(self) -> int:
+        """A process the engine starts and leaves running, as vLLM's engine core is: its pid."""
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
     async def cancelled_inside(self):
         inner = asyncio.ensure_future(asyncio.Event().wait())
         inner.cancel()
@@ -357,6 +361,36 @@ def test_a_dead_child_fails_every_call_with_its_exit_code(probe) -> None:
             await pending
         with pytest.raises(EngineClosed, match="exit code -9"):
             await engine.generate([1], Sampling(max_tokens=1))
+
+    loop.run_until_complete(go())
+
+
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    """Whether process `pid` is gone (or a zombie left to be reaped) before the deadline."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_what_a_killed_child_started_is_ended_with_it_and_a_restart_serves_again(probe) -> None:
+    engine, loop = probe
+
+    async def go():
+        helper = await engine.call("start_helper")
+        os.kill(engine.process.pid, signal.SIGKILL)  # the child dies; its helper would live on, orphaned
+        with pytest.raises(EngineClosed, match="exit code -9"):
+            await engine.call("echo", 1)
+        assert not _gone(helper, within_s=0.5)
+        await engine.restart()
+        assert _gone(helper) and engine.restarts == 1
+        assert await engine.call("echo", 2) == 2
 
     loop.run_until_complete(go())
 

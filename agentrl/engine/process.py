@@ -20,6 +20,8 @@ IPC instead (`update_weights_on_gpu`): only a handle per bucket crosses the sock
 Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
 a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
 `aclose()` closes the engine in the child (its error, if any, is raised) and fails whatever still waits.
+The child leads a process group of its own: when it ends, anything it started that still runs (vLLM's
+engine core, after the child was killed) is ended with it, so a restarted engine finds its GPU memory free.
 An engine belongs to the event loop that first used it. Without `aclose()`, the child is ended at
 interpreter exit (or when the object is collected): its socket closes, it closes its engine and exits.
 """
@@ -28,11 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -316,4 +320,7 @@ def _reap(process: multiprocessing.process.BaseProcess, directory: str, sock: so
         if process.is_alive():
             stop()
             process.join(10)
+    if process.pid is not None:  # what the engine started and left behind (a killed child's vLLM engine core)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
     shutil.rmtree(directory, ignore_errors=True)

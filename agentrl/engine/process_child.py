@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import pickle
 import struct
 import traceback
@@ -40,6 +41,7 @@ def _portable(error: BaseException) -> BaseException:
 
 
 def child_main(path: str, ref: str, kwargs: dict[str, Any]) -> None:
+    os.setpgrp()  # a process group of its own: the parent ends what the engine started (vLLM's engine core) with it
     asyncio.run(_serve(path, ref, kwargs))
 
 
