@@ -135,6 +135,9 @@ class ServicesConfig(StrictModel):
     startup_timeout_s: float = Field(300.0, gt=0)
     watch_interval_s: float = Field(1.0, ge=0, description="how often, during a step, the trainer checks that its "
                                     "auto services are alive and starts a dead one again; 0: only between steps")
+    tool_retries: int = Field(5, ge=0, description="how often a tool call is sent again when its service did not "
+                              "take it (a refused connection, a 5xx or 429), the wait doubling from 0.25 s (sandbox) "
+                              "or 0.5 s (retriever): 5 outlasts an auto service's restart; then the call is errored")
 
 
 class LoggingConfig(StrictModel):

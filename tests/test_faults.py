@@ -76,7 +76,8 @@ def test_a_tool_service_that_stays_down_errors_its_trajectories_then_stops_the_r
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     trainer = _scripted(tmp_path, [CODE_TURN, "\\boxed{42}"], "trainer.steps=4", f"services.sandbox={dead}",
-                        "trainer.max_errored_steps=3", "trainer.samples_per_step=0")
+                        "trainer.max_errored_steps=3", "trainer.samples_per_step=0",
+                        "services.tool_retries=1")
     with pytest.raises(RuntimeError, match=r"step 3: 100% of the step's trajectories are errored \(tool: 16; .*"
                                            r"3 steps in a row \(trainer.max_errored_steps\)"):
         asyncio.run(trainer.run())

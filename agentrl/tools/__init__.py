@@ -55,13 +55,15 @@ TOOL_SCHEMAS: dict[str, dict] = {
 }
 
 
-def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3,
-                sandbox_token: str | None = None) -> dict[str, Tool]:
+def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3, sandbox_token: str | None = None,
+                max_retries: int | None = None) -> dict[str, Tool]:
     """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, sent
-    `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query). A list of URLs is
-    one tool over replicas of its service."""
-    clients = {"python": lambda url: CodeTool(url, token=sandbox_token),
-               "search": lambda url: SearchTool(url, topk=search_topk)}
+    `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query), each retrying a call
+    its service did not take `max_retries` times (default: the client's). A list of URLs is one tool over
+    replicas of its service."""
+    retries = {} if max_retries is None else {"max_retries": max_retries}
+    clients = {"python": lambda url: CodeTool(url, token=sandbox_token, **retries),
+               "search": lambda url: SearchTool(url, topk=search_topk, **retries)}
     return {name: Replicas([clients[name](u) for u in url]) if isinstance(url, list) else clients[name](url)
             for name, url in urls.items()}
 

@@ -6,8 +6,9 @@ SandboxFusion server alike, and turns the answer into a `ToolResult` (agentrl/ty
 for a failure (a failed call is an observation the model sees): a non-zero exit is `execution_error`, a
 time limit `timeout`, a refused request `http_<code>`, an unreachable service `connection`, a sandbox-side failure
 `sandbox_error`, each with a text the model sees. Connection errors and 5xx/429 answers are retried a
-bounded number of times with jittered backoff (honouring Retry-After); at most `concurrency` requests
-are in flight. `CodeTool.session()` opens a stateful session (our sandbox only: `/sessions`).
+bounded number of times with jittered backoff (honouring Retry-After), over about 8 s by default: longer
+than a managed sandbox that died takes to be restarted (services.py), so its calls land there. At most
+`concurrency` requests are in flight. `CodeTool.session()` opens a stateful session (our sandbox only: `/sessions`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class CodeTool:
         language: str = "python",
         run_timeout: float = 10.0,
         memory_limit_mb: int = -1,
-        max_retries: int = 3,
+        max_retries: int = 5,
         backoff_s: float = 0.25,
         concurrency: int = 64,
         queue_margin_s: float = 60.0,

@@ -14,7 +14,8 @@ means the limits changed (the server restarted with others): they are read again
 anew, once.
 
 Failures never raise out of `call` or `batch`, since a rollout must go on when a tool fails: a timeout, a
-5xx or a refused connection is retried a bounded number of times with exponential backoff, then becomes
+5xx or a refused connection is retried a bounded number of times with exponential backoff (7.5 s in all
+by default: a managed retriever that died is restarted within it, unless its index is slow to load), then becomes
 a ToolResult whose `error` is "no_answer", "http_503", "connection", ... and whose text tells the model the
 search failed. The rollout renders the text inside `<information>` (tools/formats.py).
 """
@@ -104,7 +105,7 @@ class SearchTool:
         *,
         topk: int = 3,
         timeout_s: float = 10.0,
-        max_retries: int = 2,
+        max_retries: int = 4,
         backoff_s: float = 0.5,
         client: httpx.AsyncClient | None = None,
     ) -> None:
