@@ -283,7 +283,8 @@ class Trainer:
         if not self.sleeps:
             return {}
         start = time.perf_counter()
-        await (self.engine.sleep(self.config.engine.sleep_level) if asleep else self.engine.wake())
+        await self.rollout_engine.control(
+            lambda: self.engine.sleep(self.config.engine.sleep_level) if asleep else self.engine.wake())
         return {f"timing/{'sleep' if asleep else 'wake'}": time.perf_counter() - start}
 
     # -- what a step leaves: samples, checkpoints, validation -------------------------------------------

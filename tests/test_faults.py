@@ -152,7 +152,8 @@ def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weights(tmp_path):
+@pytest.mark.parametrize("during", ["rollout", "learning"])
+def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weights(tmp_path, monkeypatch, during):
     import asyncio
     import os
     import signal
@@ -168,12 +169,21 @@ def test_an_engine_process_that_dies_mid_run_comes_back_with_the_learners_weight
     engine = ProcessEngine("agentrl.engine.hf:HFEngine.from_pretrained", {"path": str(model_dir), "seed": 0})
     trainer = Trainer(cfg, engine=engine)
 
-    def kill_at_step_2(step: int) -> None:
-        if step == 2:  # the step's rollout requests then fail: the engine comes back and they go again
-            os.kill(engine.process.pid, signal.SIGKILL)
-            engine.process.join()
+    def kill() -> None:
+        os.kill(engine.process.pid, signal.SIGKILL)
+        engine.process.join()
 
-    trainer.on_step_start = kill_at_step_2
+    if during == "rollout":  # the step's rollout requests then fail: the engine comes back and they go again
+        trainer.on_step_start = lambda step: kill() if step == 2 else None
+    else:  # nothing waits on the engine then: the weight push after the update finds it dead, and revives it
+        learn = Learner.learn
+
+        def kill_then_learn(self, groups):
+            if trainer.step == 2:
+                kill()
+            return learn(self, groups)
+
+        monkeypatch.setattr(Learner, "learn", kill_then_learn)
     try:
         run = asyncio.run(trainer.run()).root
     finally:

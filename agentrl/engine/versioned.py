@@ -96,10 +96,7 @@ class VersionedEngine:
                 except EngineClosed:
                     if self.revive is None:
                         raise
-                async with self._reviving:  # the first request to fail revives it, the others wait and retry
-                    if self._revivals == revivals:
-                        await self.revive()
-                        self._revivals += 1
+                await self._revive_once(revivals)
         except TimeoutError:
             raise RuntimeError(f"the engine ({type(self.engine).__name__}) did not answer a request within "
                                f"{self.timeout_s:g} s (engine.request_timeout_s)") from None
@@ -117,6 +114,25 @@ class VersionedEngine:
                 return j + 1, stop
         return None
 
+    async def control(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`call()`, an engine call besides generation (sleep, wake, a weight push); where the engine process
+        died, it is revived as for requests and the call made again."""
+        while True:
+            revivals = self._revivals
+            try:
+                return await call()
+            except EngineClosed:
+                if self.revive is None:
+                    raise
+            await self._revive_once(revivals)
+
+    async def _revive_once(self, revivals: int) -> None:
+        """The first caller to see the engine dead revives it; those that saw the same death wait, then retry."""
+        async with self._reviving:
+            if self._revivals == revivals:
+                await self.revive()
+                self._revivals += 1
+
     async def update(self, push: Any, version: int | None = None) -> Any:
         """Run `push()` (an async weight update of the engine) once no request is in flight, holding new ones
         until it is done; then the engine holds `version` (default: one more). Returns what `push` returned.
@@ -130,7 +146,7 @@ class VersionedEngine:
             await self._changed.wait_for(lambda: self._in_flight == 0)
         self.last_drain = {"requests": drained, "wait_s": time.perf_counter() - start}
         try:
-            return await push()
+            return await self.control(push)
         finally:
             async with self._changed:
                 self.version = self.version + 1 if version is None else version

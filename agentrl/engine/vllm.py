@@ -96,6 +96,7 @@ class VLLMEngine:
         self.use_request_seeds = use_request_seeds
         self.admission_interval_s = admission_interval_ms / 1000
         self.engine = AsyncLLM.from_engine_args(args)
+        self.asleep = False  # sleep() and wake() are idempotent: a revived engine starts awake
         self._in_flight = 0  # generate() calls not yet returned, over all replicas
         self.max_context_tokens: int | None = self.engine.model_config.max_model_len
         self._ids = itertools.count()
@@ -192,10 +193,16 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM kept its prefix cache because requests are still running: {BETWEEN_ROLLOUTS}")
 
     async def sleep(self, level: int = 1) -> None:
-        await self.engine.sleep(level=level)
+        """Free the GPU memory (level 1: weights kept on the host; 2: dropped); a no-op while asleep."""
+        if not self.asleep:
+            await self.engine.sleep(level=level)
+            self.asleep = True
 
     async def wake(self) -> None:
-        await self.engine.wake_up()
+        """Take the memory back; a no-op while awake (an engine started again after it died is)."""
+        if self.asleep:
+            await self.engine.wake_up()
+            self.asleep = False
 
     async def aclose(self) -> None:
         self.engine.shutdown()
