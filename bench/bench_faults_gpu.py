@@ -99,7 +99,8 @@ def _train(args: argparse.Namespace, qs: Path, faults: Faults) -> list[dict]:
             "logging.progress=false"]
     engine = None
     if args.engine == "vllm":
-        sets += ["engine.kind=vllm", "engine.own_process=true", "learner.device=cuda"]
+        sets += ["engine.kind=vllm", "engine.own_process=true", "engine.gpu_memory_utilization=0.25",
+                 "learner.device=cuda"]
     else:  # the transformers engine in a child process, as vLLM is by default
         engine = ProcessEngine("agentrl.engine.hf:HFEngine.from_pretrained",
                                {"path": f"{qs}/code_sft/export", "seed": 0})
