@@ -51,21 +51,28 @@ def _eval(qs: Path, run: str, engine: str) -> float:
 class Faults:
     """Kills at the steps named and the times the run took to be whole again."""
 
-    def __init__(self, engine_steps: list[int], sandbox_steps: list[int], delay_s: float) -> None:
-        self.engine_steps, self.sandbox_steps, self.delay_s = engine_steps, sandbox_steps, delay_s
-        self.killed: dict[str, list[float]] = {"engine": [], "sandbox": []}
-        self.whole: dict[str, list[float]] = {"engine": [], "sandbox": []}
-        self.trainer = None
+    def __init__(self, steps: dict[str, list[int]], delay_s: float) -> None:
+        self.steps, self.delay_s = steps, delay_s
+        self.killed: dict[str, list[float]] = {what: [] for what in steps}
+        self.whole: dict[str, list[float]] = {what: [] for what in steps}
+        self.trainer, self.last_engine_kill = None, "engine"
 
     def at_step_start(self, step: int) -> None:
-        for what, steps in (("engine", self.engine_steps), ("sandbox", self.sandbox_steps)):
+        for what, steps in self.steps.items():
             if step in steps:
                 threading.Timer(self.delay_s, self._kill, (what,)).start()
 
     def _kill(self, what: str) -> None:
         self.killed[what].append(time.perf_counter())
+        if what != "sandbox":
+            self.last_engine_kill = what
+        engine = self.trainer.engine.process.pid
         if what == "engine":
-            os.kill(self.trainer.engine.process.pid, signal.SIGKILL)
+            os.kill(engine, signal.SIGKILL)
+        elif what == "core":  # the engine's own children (vLLM's engine core), not the engine process
+            with open(f"/proc/{engine}/task/{engine}/children") as f:
+                for pid in f.read().split():
+                    os.kill(int(pid), signal.SIGKILL)
         else:
             os.killpg(self.trainer.services.managed[0].proc.pid, signal.SIGKILL)
 
@@ -78,7 +85,7 @@ class Faults:
 
         async def engine_back(trainer) -> None:
             await revive_engine(trainer)
-            self.whole["engine"].append(time.perf_counter())
+            self.whole[self.last_engine_kill].append(time.perf_counter())  # kills come at distinct steps
 
         def service_back(service) -> bool:
             revived = revive_service(service)
@@ -89,7 +96,8 @@ class Faults:
         Trainer._revive_engine, ServiceProcess.revive = engine_back, service_back
 
 
-def _train(args: argparse.Namespace, qs: Path, faults: Faults) -> list[dict]:
+def _train(args: argparse.Namespace, qs: Path, faults: Faults) -> tuple[list[dict], str | None]:
+    """The run's metrics, and why it stopped early (None: it finished)."""
     from agentrl.engine.process import ProcessEngine
     from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
@@ -109,12 +117,16 @@ def _train(args: argparse.Namespace, qs: Path, faults: Faults) -> list[dict]:
     faults.instrument()
     trainer = Trainer(config, engine=engine, on_step_start=faults.at_step_start)
     faults.trainer = trainer
+    stopped = None
     try:
-        run = asyncio.run(trainer.run()).root
+        asyncio.run(trainer.run())
+    except Exception as e:  # the figures of the steps that finished are still printed
+        stopped = f"{type(e).__name__}: {e}"
     finally:
         if engine is not None:
             asyncio.run(engine.aclose())
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = (qs / "code_rl/metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], stopped
 
 
 def main() -> None:
@@ -123,6 +135,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-engine", type=int, nargs="*", default=[8, 20], help="steps whose engine is killed")
     parser.add_argument("--kill-sandbox", type=int, nargs="*", default=[14], help="steps whose sandbox is killed")
+    parser.add_argument("--kill-core", type=int, nargs="*", default=[], help="steps whose engine's own children "
+                        "(vLLM's engine core) are killed, the engine process left running")
     parser.add_argument("--delay", type=float, default=1.0, help="seconds into the step when the kill comes")
     parser.add_argument("--eval", action="store_true", help="held-out pass@1 before and after")
     parser.add_argument("--workdir", default=None, help="kept; the data and SFT checkpoint already there are used again")
@@ -142,9 +156,9 @@ def main() -> None:
              "--set", f"model.tokenizer={qs}/tokenizer", "--set", f"trainer.run_dir={qs}/code_sft",
              "--set", f"learner.device={device}", "--set", "logging.progress=false")
     sft_s = time.perf_counter() - start
-    faults = Faults(args.kill_engine, args.kill_sandbox, args.delay)
+    faults = Faults({"engine": args.kill_engine, "sandbox": args.kill_sandbox, "core": args.kill_core}, args.delay)
     start = time.perf_counter()
-    metrics = _train(args, qs, faults)
+    metrics, stopped = _train(args, qs, faults)
     train_s = time.perf_counter() - start
     evals = {run: _eval(qs, run, args.engine) for run in ("code_sft", "code_rl")} if args.eval else {}
 
@@ -154,10 +168,9 @@ def main() -> None:
     last = metrics[-1]
     figures = {
         "steps": len(metrics), "sft_s": sft_s, "train_s": train_s,
-        "engine_kills": len(faults.killed["engine"]), "engine_restarts": last.get("engine/restarts", 0.0),
-        "engine_recovery_s": recoveries["engine"],
-        "sandbox_kills": len(faults.killed["sandbox"]), "sandbox_restarts": last.get("services/sandbox_restarts", 0.0),
-        "sandbox_recovery_s": recoveries["sandbox"],
+        "stopped": stopped, "kills": {what: len(times) for what, times in faults.killed.items()},
+        "recovery_s": recoveries, "engine_restarts": last.get("engine/restarts", 0.0),
+        "sandbox_restarts": last.get("services/sandbox_restarts", 0.0),
         "errored_trajectories": sum(m.get("rollout/errored", 0.0) for m in metrics),
         "probe_share_mean": sum(probe_share) / max(len(probe_share), 1), "probe_share_max": max(probe_share, default=0),
         "probe_gap_max": max(m.get("sync/probe_gap", 0.0) for m in metrics),
@@ -166,10 +179,14 @@ def main() -> None:
     }
     print(f"| what | figure |\n|---|---|")
     print(f"| steps finished | {figures['steps']} of {args.steps} (train {train_s:.0f} s, sft {sft_s:.0f} s) |")
-    for what in ("engine", "sandbox"):
-        times = ", ".join(f"{t:.1f} s" for t in recoveries[what])
-        print(f"| {what} killed / restarts counted | {figures[f'{what}_kills']} / {figures[f'{what}_restarts']:.0f} |")
-        print(f"| {what}: kill to whole again | {times or '-'} |")
+    if stopped:
+        print(f"| stopped by | {stopped.splitlines()[0][:300]} |")
+    print(f"| kills (engine process, its engine core, sandbox) | {figures['kills']['engine']}, "
+          f"{figures['kills']['core']}, {figures['kills']['sandbox']} |")
+    print(f"| restarts counted (engine, sandbox) | {figures['engine_restarts']:.0f}, {figures['sandbox_restarts']:.0f} |")
+    for what in ("engine", "core", "sandbox"):
+        if recoveries[what]:
+            print(f"| {what} killed: to whole again | {', '.join(f'{t:.1f} s' for t in recoveries[what])} |")
     print(f"| errored trajectories (left out of the loss) | {figures['errored_trajectories']:.3f} (sum of step fractions) |")
     print(f"| push check: share of a step | {figures['probe_share_mean']:.1%} mean, {figures['probe_share_max']:.1%} max |")
     print(f"| push check: largest engine-learner logprob gap | {figures['probe_gap_max']:.2e} |")

@@ -132,6 +132,11 @@ class ProbeEngine:
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
 
+    def die(self) -> None:
+        from agentrl.engine import EngineDied
+
+        raise EngineDied("the engine core is gone")
+
     def start_helper(self) -> int:
         """A process the engine starts and leaves running, as vLLM's engine core is: its pid."""
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
@@ -391,6 +396,22 @@ def test_what_a_killed_child_started_is_ended_with_it_and_a_restart_serves_again
         await engine.restart()
         assert _gone(helper) and engine.restarts == 1
         assert await engine.call("echo", 2) == 2
+
+    loop.run_until_complete(go())
+
+
+def test_an_engine_that_died_ends_its_process_which_a_restart_replaces(probe) -> None:
+    engine, loop = probe
+
+    async def go():
+        waiting = asyncio.create_task(engine.generate([1], Sampling(max_tokens=1)))
+        await _until(engine, (1, 0))
+        with pytest.raises(EngineClosed, match=r"exit code 75"):  # not an error of this call alone
+            await engine.call("die")
+        with pytest.raises(EngineClosed, match=r"exit code 75"):  # the others fail with it
+            await waiting
+        await engine.restart()
+        assert await engine.call("echo", 3) == 3
 
     loop.run_until_complete(go())
 

@@ -56,6 +56,11 @@ class Completion:
 BETWEEN_ROLLOUTS = "update weights between rollouts, after every request has finished"
 
 
+class EngineDied(RuntimeError):
+    """The engine can answer nothing more (vLLM's engine core died). Raised by the engine; in a process of
+    its own (engine/process.py) that process then exits, so the trainer starts it again as after a crash."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     # The most tokens (prompt and output) one sequence may hold, or None: the rollout never asks for more,

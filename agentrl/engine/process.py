@@ -18,7 +18,8 @@ them through `update_weights`, one bucket at a time. A vLLM engine on this proce
 IPC instead (`update_weights_on_gpu`): only a handle per bucket crosses the socket.
 
 Behaviour: an error raised in the child is raised again in the caller (the child's traceback as a note);
-a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code;
+a call cancelled here is cancelled there; if the child dies, every waiting call fails with its exit code
+(an engine that raises EngineDied, as vLLM's does when its engine core died, ends the child: exit code 75);
 `aclose()` closes the engine in the child (its error, if any, is raised) and fails whatever still waits.
 The child leads a process group of its own: when it ends, anything it started that still runs (vLLM's
 engine core, after the child was killed) is ended with it, so a restarted engine finds its GPU memory free.

@@ -14,13 +14,15 @@ import importlib
 import os
 import pickle
 import struct
+import sys
 import traceback
 from typing import Any
 
-from agentrl.engine import maybe_await
+from agentrl.engine import EngineDied, maybe_await
 from agentrl.engine.weights import load_bucket, weights_loaded
 
 HEADER = struct.Struct("!QQ")  # payload bytes, call id
+DIED_EXIT_CODE = 75  # the engine raised EngineDied
 
 
 def frame(rid: int, message: Any) -> bytes:
@@ -115,6 +117,9 @@ class _Child:
         except asyncio.CancelledError:
             if rid not in self.cancelled:  # cancelled inside the engine, not by the caller: an error there
                 _reply(self.writer, rid, False, RuntimeError(f"{method}() was cancelled inside the engine process"))
+        except EngineDied as e:  # the engine is gone: so is this process, and the parent starts another
+            print(f"agentrl engine process: {e}; exiting", file=sys.stderr, flush=True)
+            os._exit(DIED_EXIT_CODE)
         except Exception as e:
             _reply(self.writer, rid, False, _portable(e))
 

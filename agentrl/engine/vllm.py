@@ -48,7 +48,7 @@ import zlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engine import BETWEEN_ROLLOUTS, Completion, Sampling, refuse_in_flight
+from agentrl.engine import BETWEEN_ROLLOUTS, Completion, EngineDied, Sampling, refuse_in_flight
 from agentrl.engine.weights import load_buckets, load_ipc_buckets
 
 if TYPE_CHECKING:
@@ -135,6 +135,10 @@ class VLLMEngine:
                                                   data_parallel_rank=self._rank(session),
                                                   priority=sampling.priority):
                 final = out
+        except Exception as e:
+            if type(e).__name__ == "EngineDeadError":  # vLLM's engine core is gone: so is this engine
+                raise EngineDied(f"vLLM's engine core died: {e}") from e
+            raise
         finally:
             self._in_flight -= 1
         if final is None or not final.outputs:
