@@ -62,11 +62,20 @@ def _bundle(gpus: float) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": gpus} if gpus else {"CPU": 1.0}
 
 
+def ray_wait(refs: Any, what: str, timeout_s: float) -> Any:
+    """ray.get(refs), bounded: past `timeout_s`, an error naming `what` and the key that sets the bound."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"{what} did not finish within {timeout_s:g} s (placement.call_timeout_s)") from None
+
+
 class Placement:
     """The run's placement group (a Layout), formed once the cluster has room for it."""
 
     def __init__(self, config: Any) -> None:
-        import ray
         from ray.util.placement_group import placement_group
 
         self.layout = Layout(config)
@@ -74,7 +83,7 @@ class Placement:
         want["CPU"] += service_actors(config)  # outside the group, but on the same cluster
         connect(config, want)
         self.group = placement_group(self.layout.bundles, strategy="PACK")
-        ray.get(self.group.ready())
+        ray_wait(self.group.ready(), "forming the run's placement group", config.placement.call_timeout_s)
 
     def options(self, bundle: int, gpus: float, **extra: Any) -> dict[str, Any]:
         """Ray actor options for an actor in `bundle` with `gpus` GPUs (a CPU always)."""
@@ -175,7 +184,7 @@ class RayLearner:
         actor = ray.remote(_LearnerRank)
         self.ranks = [actor.options(**placement.options(b, gpus, **_shared_gpu_nccl(config, None))).remote()
                       for b, gpus in placement.layout.ranks]
-        master = ray.get(self.ranks[0].address.remote())
+        master = ray_wait(self.ranks[0].address.remote(), "starting learner rank 0", config.placement.call_timeout_s)
         dump = config.model_dump(mode="json")
         self._all("setup", dump, None, ranks, master, per_rank=True)
         self.transport = transport(config)
@@ -203,13 +212,14 @@ class RayLearner:
     def join(self, engines: Sequence[RayEngine]) -> None:
         """Split placement: form the NCCL weight group of rank 0 and every engine's workers (rank 0 first,
         then `tensor_parallel_size` ranks per engine, in order); the members join together."""
-        import ray
 
         tp = self.config.engine.tensor_parallel_size
-        host, port = ray.get(self.ranks[0].address.remote())
+        timeout = self.config.placement.call_timeout_s
+        host, port = ray_wait(self.ranks[0].address.remote(), "learner rank 0's address", timeout)
         world = 1 + tp * len(engines)
-        ray.get([self.ranks[0].join_weight_group.remote(host, port, world)]
-                + [e.actor.join_weight_group.remote(host, port, world, 1 + tp * j) for j, e in enumerate(engines)])
+        ray_wait([self.ranks[0].join_weight_group.remote(host, port, world)]
+                 + [e.actor.join_weight_group.remote(host, port, world, 1 + tp * j) for j, e in enumerate(engines)],
+                 "forming the NCCL weight group of learner rank 0 and the engines", timeout)
 
     def learn(self, groups: list[Any]) -> dict[str, float]:
         import ray
@@ -349,5 +359,6 @@ def ray_engines(config: Any, placement: Placement, model_dir: str | None) -> lis
         extra: dict[str, Any] = {"max_concurrency": 4096} | _shared_gpu_nccl(config, f"agentrl-engine-{j}")
         actor = ray.remote(_EngineActor).options(**placement.options(bundle, gpus, **extra))
         actors.append(actor.remote(dump, config.trainer.seed + j, model_dir))
-    limits = ray.get([a.max_context_tokens.remote() for a in actors])
+    limits = ray_wait([a.max_context_tokens.remote() for a in actors], f"starting the {len(actors)} engine actors "
+                      "(_EngineActor)", config.placement.call_timeout_s)
     return [RayEngine(a, limit, i) for i, (a, limit) in enumerate(zip(actors, limits, strict=True))]

@@ -157,7 +157,8 @@ class PlacementConfig(StrictModel):
                                     "unset on Ray (more than one rank or engine, or split): a local Ray is started")
     learner_ranks: int = Field(1, ge=1, description="learner actors, one per GPU (or CPU), one FSDP2 group")
     call_timeout_s: float = Field(7200.0, gt=0, description="a call on the learner's actors (a step, a push, a "
-                                  "checkpoint) that does not return within this stops the run, naming the call")
+                                  "checkpoint) or the start of an actor, an engine or the placement group that does "
+                                  "not finish within this stops the run, naming what was waited for")
     engines: int = Field(1, ge=1, description="engine replicas, each an actor; a trajectory sticks to one")
     mode: Literal["colocated", "split"] = Field(
         "colocated", description="vllm engines: colocated, engine i on learner rank i's GPU, asleep while it trains, "

@@ -126,11 +126,11 @@ def test_an_engine_request_that_never_answers_stops_the_run(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
+def test_a_ray_actor_that_never_returns_stops_the_run(tmp_path):
     import types
 
     ray = pytest.importorskip("ray")
-    from agentrl.ray_placement import RayLearner
+    from agentrl.ray_placement import RayLearner, ray_wait
 
     @ray.remote
     class Stuck:
@@ -147,6 +147,9 @@ def test_a_learner_rank_that_never_returns_stops_the_run(tmp_path):
         with pytest.raises(RuntimeError, match=r"learner rank 0 .* did not return from learn within 1 s "
                                                r"\(placement.call_timeout_s\)"):
             learner._all("learn", [])
+        with pytest.raises(RuntimeError, match=r"starting the 1 engine actors \(_EngineActor\) did not finish within "
+                                               r"1 s \(placement.call_timeout_s\)"):
+            ray_wait([Stuck.remote().learn.remote([])], "starting the 1 engine actors (_EngineActor)", 1.0)
     finally:
         ray.shutdown()
 
