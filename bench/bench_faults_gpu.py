@@ -85,12 +85,15 @@ class Faults:
 
         async def engine_back(trainer) -> None:
             await revive_engine(trainer)
-            self.whole[self.last_engine_kill].append(time.perf_counter())  # kills come at distinct steps
+            what = self.last_engine_kill  # kills come at distinct steps
+            self.whole[what].append(time.perf_counter())
+            print(f"recovered: {what} in {self.whole[what][-1] - self.killed[what][-1]:.1f} s", flush=True)
 
         def service_back(service) -> bool:
             revived = revive_service(service)
-            if revived:
+            if revived and self.killed["sandbox"]:
                 self.whole["sandbox"].append(time.perf_counter())
+                print(f"recovered: sandbox in {self.whole['sandbox'][-1] - self.killed['sandbox'][-1]:.1f} s", flush=True)
             return revived
 
         Trainer._revive_engine, ServiceProcess.revive = engine_back, service_back
