@@ -8,6 +8,7 @@ turns a row into the exact text and token ids the model sees, with the tokenizer
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -154,12 +155,15 @@ class Task:
                               f"{getattr(tokenizer, 'name_or_path', 'this tokenizer')!r} has none: use one that "
                               "has, or write the prompt as prompt.template")
         messages = [{"role": m.role, "content": _fill(m.content, row)} for m in p.messages or []]
-        tools = None
-        if self.spec.tools.format == "hermes":
-            from agentrl.tools import TOOL_SCHEMAS
-
-            tools = [TOOL_SCHEMAS[n] for n in self.spec.tools.names]
+        tools = self.tool_schemas if self.spec.tools.format == "hermes" else None
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+    @functools.cached_property
+    def tool_schemas(self) -> list[dict]:
+        """The schemas of the task's tools, as the model sees them in its system prompt (hermes)."""
+        from agentrl.tools import tool_schemas
+
+        return tool_schemas(self.spec.tools)
 
     def render(self, row: Row, tokenizer: Any) -> Prompt:
         text = self.render_text(row, tokenizer)

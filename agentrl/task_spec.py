@@ -126,19 +126,61 @@ class PromptSpec(StrictModel):
         return self
 
 
+class FunctionToolSpec(StrictModel):
+    """A Python function the model may call (tools/functions.py)."""
+
+    function: str = Field(description="'path/to/file.py:name' (relative to the working directory) or "
+                                      "'package.module:name'")
+    name: str | None = Field(None, description="the name the model calls it by (default: the function's)")
+    description: str | None = Field(None, description="what the model reads (default: the docstring's first "
+                                                      "paragraph)")
+    parameters: dict[str, Any] | None = Field(None, description="its JSON schema (default: from the signature)")
+    timeout_s: float = Field(30.0, gt=0, description="a call still running after this is ended")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("function"), str):
+            module, sep, attr = data["function"].rpartition(":")
+            if not (sep and module and attr):
+                raise ValueError(f"function {data['function']!r}: expected 'path/to/file.py:name' or "
+                                 "'package.module:name'")
+            data = {**data, "name": data.get("name") or attr}
+        return data
+
+    @model_validator(mode="after")
+    def _name_is_plain(self) -> FunctionToolSpec:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name or ""):
+            raise ValueError(f"tool name {self.name!r}: letters, digits, '_', '.' and '-' only")
+        return self
+
+
 class ToolsSpec(StrictModel):
     format: Literal["torl", "search_r1", "hermes"] | None = None  # None: no tools, single-turn
     names: list[Literal["python", "search"]] = []
     search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
+    functions: list[FunctionToolSpec] = Field([], description="Python functions as tools (format hermes)")
+    workers: int = Field(4, ge=1, description="processes that run the function tools' calls")
+
+    @property
+    def all_names(self) -> list[str]:
+        """Every tool the model may call: the built-in ones, then the functions."""
+        return [*self.names, *(f.name for f in self.functions)]
 
     @model_validator(mode="after")
     def _consistent(self) -> ToolsSpec:
-        if self.format is None and self.names:
-            raise ValueError(f"tools {self.names} need a tool format: one of {', '.join(TOOL_FORMATS)}")
-        if self.format in FORMAT_TOOL and self.names != [FORMAT_TOOL[self.format]]:
-            raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]")
-        if self.format == "hermes" and not self.names:
-            raise ValueError("format 'hermes' needs at least one tool in names")
+        if self.format is None and self.all_names:
+            raise ValueError(f"tools {self.all_names} need a tool format: one of {', '.join(TOOL_FORMATS)}")
+        if self.format in FORMAT_TOOL and (self.names != [FORMAT_TOOL[self.format]] or self.functions):
+            raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]"
+                             + ("; function tools need format hermes" if self.functions else ""))
+        if self.format == "hermes" and not self.all_names:
+            raise ValueError("format 'hermes' needs at least one tool, in names or functions")
+        seen = set()
+        for name in self.all_names:
+            if name in seen:
+                raise ValueError(f"two tools are named {name!r}: give one a `name`")
+            seen.add(name)
         return self
 
 

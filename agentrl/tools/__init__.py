@@ -3,17 +3,25 @@
 A `Tool` turns a `ToolCall` (parsed from model text by a ToolFormat, tools/formats.py) into a
 `ToolResult` (agentrl/types.py). Failures never raise out of `call`: a timeout, a 5xx or a dead service
 becomes a result whose `error` names the kind and whose `text` the model sees.
-Clients: code.py (the sandbox service, sandbox/) and search.py (the retrieval service, retriever/).
+Clients: code.py (the sandbox service, sandbox/) and search.py (the retrieval service, retriever/);
+functions.py: the task's own Python functions, run by function_pool.py's worker processes.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from agentrl.config import ConfigError
 from agentrl.tools.code import CodeTool
+from agentrl.tools.function_pool import FunctionPool
+from agentrl.tools.functions import FunctionTool, function_schema, load_function
 from agentrl.tools.search import SearchTool
 from agentrl.types import ToolCall, ToolResult
+
+if TYPE_CHECKING:
+    from agentrl.task_spec import FunctionToolSpec, ToolsSpec
 
 
 @runtime_checkable
@@ -56,16 +64,43 @@ TOOL_SCHEMAS: dict[str, dict] = {
 
 
 def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3, sandbox_token: str | None = None,
-                max_retries: int | None = None) -> dict[str, Tool]:
-    """The tool clients of the services at `urls`, by tool name (`python`: the sandbox, sent
+                max_retries: int | None = None, functions: Sequence[FunctionToolSpec] = (),
+                workers: int = 4) -> dict[str, Tool]:
+    """The task's tools by name: the clients of the services at `urls` (`python`: the sandbox, sent
     `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query), each retrying a call
-    its service did not take `max_retries` times (default: the client's). A list of URLs is one tool over
-    replicas of its service."""
+    its service did not take `max_retries` times (default: the client's), a list of URLs being one tool over
+    replicas of its service; and the Python `functions`, run by one pool of `workers` processes."""
     retries = {} if max_retries is None else {"max_retries": max_retries}
     clients = {"python": lambda url: CodeTool(url, token=sandbox_token, **retries),
                "search": lambda url: SearchTool(url, topk=search_topk, **retries)}
-    return {name: Replicas([clients[name](u) for u in url]) if isinstance(url, list) else clients[name](url)
-            for name, url in urls.items()}
+    tools: dict[str, Tool] = {name: Replicas([clients[name](u) for u in url]) if isinstance(url, list)
+                              else clients[name](url) for name, url in urls.items()}
+    if functions:
+        pool = FunctionPool(workers)
+        for i, f in enumerate(functions):
+            tools[f.name] = FunctionTool(f.name, f.function, _function(i, f), pool, f.timeout_s)
+    return tools
+
+
+def _function(i: int, f: FunctionToolSpec) -> Any:
+    """The function of `tools.functions[i]`; a ConfigError naming that key when it cannot be had."""
+    try:
+        return load_function(f.function)
+    except ValueError as e:
+        raise ConfigError(f"tools.functions[{i}].function: {e}") from None
+
+
+def tool_schemas(spec: ToolsSpec) -> list[dict]:
+    """The schemas of the task's tools, as the chat template renders them (hermes): the built-in ones', then
+    each function's (from its signature and docstring, or as the spec gives it)."""
+    schemas = [TOOL_SCHEMAS[name] for name in spec.names]
+    for i, f in enumerate(spec.functions):
+        fn = _function(i, f)
+        try:
+            schemas.append(function_schema(fn, f.name, f.description, f.parameters))
+        except ValueError as e:
+            raise ConfigError(f"tools.functions[{i}]: {e}") from None
+    return schemas
 
 
 class Replicas:

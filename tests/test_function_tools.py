@@ -1,0 +1,208 @@
+"""Python functions as tools (agentrl/tools/functions.py, function_pool.py): schemas from signatures and
+docstrings, arguments validated, calls in worker processes, and every failure an observation."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from agentrl.tools.function_pool import FunctionPool
+from agentrl.tools.functions import FunctionTool, function_schema, load_function
+from agentrl.types import ToolCall
+
+TOOLS = '''
+import asyncio
+
+
+def add(a: int, b: int = 2) -> int:
+    """Add two integers.
+
+    The sum, exactly.
+
+    Args:
+        a: the first number,
+            any integer
+        b (int): the second number
+
+    Returns:
+        their sum
+    """
+    return a + b
+
+
+async def shout(text: str) -> str:
+    """Upper-case a text."""
+    await asyncio.sleep(0)
+    return text.upper()
+
+
+def spin(x: int) -> str:
+    while True:
+        pass
+
+
+def boom(x: int) -> str:
+    raise ValueError("x must be positive")
+
+
+def opaque(x: int):
+    return object()
+
+
+def die(x: int) -> str:
+    import os
+    os._exit(3)
+
+
+def table(rows: int) -> dict:
+    return {"rows": rows, "names": ["a", "b"]}
+
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def tools_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    return "tools.py"
+
+
+def test_the_schema_comes_from_the_signature_and_the_docstring(tools_file):
+    schema = function_schema(load_function(f"{tools_file}:add"), "add")
+    assert schema == {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a"],
+        "properties": {"a": {"type": "integer", "description": "the first number, any integer"},
+                       "b": {"type": "integer", "default": 2, "description": "the second number"}}}}}
+
+
+def test_a_given_schema_must_name_the_functions_parameters(tools_file):
+    add = load_function(f"{tools_file}:add")
+    given = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}
+    assert function_schema(add, "add", "Sum.", given)["function"]["parameters"] is given
+    with pytest.raises(ValueError, match=r"properties are the function's parameters \['a', 'b'\]; got \['a', 'c'\]"):
+        function_schema(add, "add", None, {"type": "object", "properties": {"a": {}, "c": {}}, "required": ["a"]})
+    with pytest.raises(ValueError, match=r"parameters.required must be \['a'\]"):
+        function_schema(add, "add", None, given | {"required": ["a", "b"]})
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("tools.py", r"expected 'path/to/file.py:name' or 'package.module:name'"),
+    ("missing.py:f", r"no file .*missing.py"),
+    ("broken.py:f", r"importing broken.py failed: SyntaxError"),
+    ("tools.py:nothing", r"tools.py has no 'nothing'"),
+    ("tools.py:NOT_CALLABLE", r"NOT_CALLABLE is a int, not a function"),
+    ("no_such_package.mod:f", r"importing no_such_package.mod failed: ModuleNotFoundError"),
+])
+def test_a_bad_reference_says_what_is_wrong(tools_file, ref, message):
+    with pytest.raises(ValueError, match=message):
+        load_function(ref)
+
+
+def _tool(tools_file: str, name: str, pool: FunctionPool, timeout_s: float = 30.0) -> FunctionTool:
+    ref = f"{tools_file}:{name}"
+    return FunctionTool(name, ref, load_function(ref), pool, timeout_s)
+
+
+def test_calls_run_in_workers_and_every_failure_is_an_observation(tools_file):
+    pool = FunctionPool(workers=2)
+
+    async def go():
+        add, shout = _tool(tools_file, "add", pool), _tool(tools_file, "shout", pool)
+        results = {
+            "sum": await add.call(ToolCall("add", {"a": 3})),
+            "coerced": await add.call(ToolCall("add", {"a": "4", "b": 1})),
+            "async": await shout.call(ToolCall("shout", {"text": "hi"})),
+            "json": await _tool(tools_file, "table", pool).call(ToolCall("table", {"rows": 2})),
+            "wrong type": await add.call(ToolCall("add", {"a": "x"})),
+            "missing": await add.call(ToolCall("add", {"b": 1})),
+            "extra": await add.call(ToolCall("add", {"a": 1, "c": 1})),
+            "raises": await _tool(tools_file, "boom", pool).call(ToolCall("boom", {"x": 1})),
+            "opaque": await _tool(tools_file, "opaque", pool).call(ToolCall("opaque", {"x": 1})),
+            "dies": await _tool(tools_file, "die", pool).call(ToolCall("die", {"x": 1})),
+            "after death": await add.call(ToolCall("add", {"a": 1, "b": 1})),
+        }
+        return results
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        pool.close()
+    assert (r["sum"].text, r["sum"].error) == ("5", None)
+    assert r["coerced"].text == "5" and r["async"].text == "HI"
+    assert r["json"].text == '{"rows": 2, "names": ["a", "b"]}'
+    assert r["wrong type"].error == "bad_arguments" and r["wrong type"].text.startswith("Error: bad arguments for add: a:")
+    assert r["missing"].error == "bad_arguments" and "a: Field required" in r["missing"].text
+    assert r["extra"].error == "bad_arguments" and "c: Extra inputs are not permitted" in r["extra"].text
+    assert r["raises"].text == "Error: ValueError: x must be positive"
+    assert r["raises"].error == "tool_error" and not r["raises"].service_fault  # the model's call failed
+    assert r["opaque"].error == "bad_response" and r["opaque"].service_fault  # the tool's own fault
+    assert r["dies"].error == "exception" and "exit code 3" in r["dies"].text and r["dies"].service_fault
+    assert r["after death"].text == "2" and pool.restarts == 1
+
+
+def test_a_call_past_its_timeout_is_ended_with_its_worker(tools_file):
+    pool = FunctionPool(workers=1)
+
+    async def go():
+        spin = _tool(tools_file, "spin", pool, timeout_s=0.5)
+        stuck = await spin.call(ToolCall("spin", {"x": 1}))
+        after = await _tool(tools_file, "add", pool).call(ToolCall("add", {"a": 2}))
+        return stuck, after
+
+    try:
+        stuck, after = asyncio.run(go())
+    finally:
+        pool.close()
+    assert stuck.error == "timeout" and "0.5 s" in stuck.text and not stuck.service_fault
+    assert after.text == "4" and pool.restarts == 1
+
+
+def test_docstring_args_sections_in_google_style(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.py").write_text(textwrap.dedent('''
+        def find(query: str, limit: int = 3, exact: bool = False) -> list:
+            """Find rows.
+
+            Args:
+                query: what to look for
+                limit: at most this many
+                    rows
+            """
+            return []
+    '''))
+    props = function_schema(load_function("doc.py:find"), "find")["function"]["parameters"]["properties"]
+    assert {k: v.get("description") for k, v in props.items()} == {
+        "query": "what to look for", "limit": "at most this many rows", "exact": None}
+
+
+def test_a_hermes_rollout_routes_each_call_to_its_function(tools_file, qwen_tokenizer):
+    from agentrl.task_spec import Budgets, ToolsSpec
+    from agentrl.tools import build_tools, tool_schemas
+    from agentrl.tools.formats import HermesFormat
+    from tests.test_rollout import EOS, do_rollout
+
+    spec = ToolsSpec(format="hermes", functions=[{"function": f"{tools_file}:add"},
+                                                 {"function": f"{tools_file}:shout", "name": "loud"}])
+    schemas = tool_schemas(spec)
+    assert [s["function"]["name"] for s in schemas] == ["add", "loud"]
+    tools = build_tools({}, functions=spec.functions, workers=1)
+    scripts = {"p0": ['<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>' + EOS,
+                      '<tool_call>{"name": "loud", "arguments": {"text": "ok"}}</tool_call>' + EOS,
+                      '<tool_call>{"name": "add", "arguments": {"a": "many"}}</tool_call>' + EOS,
+                      "The answer is \\boxed{42}." + EOS]}
+    try:
+        _, (t,) = do_rollout(qwen_tokenizer, HermesFormat(qwen_tokenizer, schemas), scripts,
+                             Budgets(max_turns=4, max_tool_calls=3, max_response_tokens=2048), tools)
+    finally:
+        asyncio.run(tools["add"].aclose())
+    assert [(r.call.name, r.result.text, r.result.error) for r in t.tool_records][:2] == [("add", "42", None),
+                                                                                       ("loud", "OK", None)]
+    assert t.tool_records[2].result.error == "bad_arguments" and t.error is None  # the model's mistake: trained on
+    observations = [qwen_tokenizer.decode(s.token_ids) for s in t.segments if s.source == "tool"]
+    assert "42" in observations[0] and "OK" in observations[1] and "bad arguments for add" in observations[2]
+    assert [s.source for s in t.segments] == ["model", "tool"] * 3 + ["model"]
