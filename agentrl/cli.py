@@ -67,6 +67,7 @@ def tasks_validate(
         # missing (a fresh clone has none of them) and the spec is still valid; --load asks for the rows.
         try:
             task = load_task(path, overrides or [])
+            schemas = task.tool_schemas  # imports the function tools and checks their schemas
         except ConfigError as e:
             failed += 1
             typer.echo(f"FAIL {e}", err=True)
@@ -84,7 +85,8 @@ def tasks_validate(
             typer.echo(f"FAIL {e}", err=True)
             continue
         s = task.spec
-        tools = f"{s.tools.format} {s.tools.names}" if s.tools.format else "no tools"
+        tools = f"{s.tools.format} {s.tools.all_names}" if s.tools.format else "no tools"
+        tools += f" ({len(schemas)} schemas)" if s.tools.functions else ""
         typer.echo(f"ok   {path}: {s.name}; {tools}; reward {s.reward.name}")
         typer.echo(f"     dataset {s.dataset.path}: {data}")
     if failed:
@@ -114,7 +116,8 @@ def tasks_show(
     ] = DEFAULT_TOKENIZER,
     ids: Annotated[bool, typer.Option(help="Also print the token ids.")] = False,
 ) -> None:
-    """Render the first prompts exactly as the model will see them, with token counts."""
+    """Render the first prompts exactly as the model will see them, with token counts; with the hermes format,
+    first the schema of each tool the model is shown."""
     from agentrl.config import ConfigError
     from agentrl.task import load_task, load_tokenizer
 
@@ -126,8 +129,11 @@ def tasks_show(
             prompts.append(prompt)
             if len(prompts) == n:
                 break
+        schemas = task.tool_schemas if task.spec.tools.format == "hermes" else []
     except ConfigError as e:
         raise _fail(str(e)) from None
+    for schema in schemas:  # what the chat template renders into the system prompt
+        typer.echo(f"──── tool {schema['function']['name']} ────\n{json.dumps(schema, indent=2)}")
     for i, p in enumerate(prompts, 1):
         typer.echo(f"──── prompt {i}/{len(prompts)} · id {p.id} · {len(p.token_ids)} tokens · answer {p.ground_truth!r} ────")
         typer.echo(p.text, nl=False)

@@ -206,3 +206,44 @@ def test_a_hermes_rollout_routes_each_call_to_its_function(tools_file, qwen_toke
     observations = [qwen_tokenizer.decode(s.token_ids) for s in t.segments if s.source == "tool"]
     assert "42" in observations[0] and "OK" in observations[1] and "bad arguments for add" in observations[2]
     assert [s.source for s in t.segments] == ["model", "tool"] * 3 + ["model"]
+
+
+def _spec(tmp_path, functions: str) -> str:
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "What is 40 + 2?", "answer": "42"}\n')
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: adder\ndataset: {{path: {data}}}\nprompt: {{messages: [{{role: user, content: '{{question}}'}}]}}\n"
+                    f"tools: {{format: hermes, functions: {functions}}}\nreward: {{name: math}}\n"
+                    "budgets: {max_turns: 3, max_tool_calls: 2}\n")
+    return str(spec)
+
+
+def test_tasks_validate_imports_the_functions_and_names_the_key(tools_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    good = CliRunner().invoke(app, ["tasks", "validate", _spec(tmp_path, f"[{{function: '{tools_file}:add'}}]")])
+    assert good.exit_code == 0 and "hermes ['add'] (1 schemas)" in good.output
+    for functions, message in [
+        ("[{function: 'tools.py:nothing'}]", "tools.functions[0].function: 'tools.py:nothing': tools.py has no 'nothing'"),
+        ("[{function: 'tools.py:add', parameters: {type: object, properties: {x: {}}}}]",
+         "tools.functions[0]: tool 'add': parameters must be a JSON schema"),
+        ("[{function: 'tools.py:add'}, {function: 'tools.py:add'}]", "two tools are named 'add'"),
+        ("[{function: tools.py}]", "expected 'path/to/file.py:name'"),
+    ]:
+        bad = CliRunner().invoke(app, ["tasks", "validate", _spec(tmp_path, functions)])
+        assert bad.exit_code == 1 and message in bad.output, bad.output
+
+
+def test_tasks_show_prints_the_schemas_the_model_sees(tools_file, tmp_path, qwen_tokenizer):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+    from tests.conftest import QWEN_DIR
+
+    spec = _spec(tmp_path, f"[{{function: '{tools_file}:add', description: Adds.}}]")
+    shown = CliRunner().invoke(app, ["tasks", "show", spec, "-n", "1", "--tokenizer", str(QWEN_DIR)])
+    assert shown.exit_code == 0, shown.output
+    assert '──── tool add ────\n{\n  "type": "function"' in shown.output and '"description": "Adds."' in shown.output
+    assert '"name": "add", "description": "Adds."' in shown.output  # and the prompt holds it, as the template wrote it
