@@ -3,14 +3,10 @@
 math.py settles most answers in-process (equal after normalisation, or two plain numbers) and sends only
 the rest here. Why processes: math-verify's own timeouts use SIGALRM, which works only in the main thread
 (the trainer grades from threads and from inside asyncio loops), and no signal interrupts a long C-level
-computation such as the exact integer 10^{10^{10}}. So each comparison runs in a persistent worker; the
-caller waits at most `timeout_s`, and a worker that overruns is killed and a fresh one takes its slot.
-
-A worker is a fresh interpreter (`python -c ...`, fork+exec: safe from a process with threads, like
-multiprocessing's 'spawn') that talks over two pipes with multiprocessing's `Connection` framing. Unlike
-`multiprocessing.Process` it never re-imports the caller's `__main__`, so grading works from any script,
-notebook or `python -c` without a `__main__` guard. Workers start on first use and are reused;
-`shutdown()` (also run at exit) stops them, and a worker whose parent died exits on its own.
+computation such as the exact integer 10^{10^{10}}. So each comparison runs in a persistent worker
+(agentrl/worker_process.py); the caller waits at most `timeout_s`, and a worker that overruns is killed
+and a fresh one takes its slot. Workers start on first use and are reused; `shutdown()` (also run at exit)
+stops them.
 """
 
 from __future__ import annotations
@@ -20,12 +16,9 @@ import logging
 import math
 import os
 import queue
-import subprocess
-import sys
 import threading
-import time
-from multiprocessing.connection import Connection
-from pathlib import Path
+
+from agentrl.worker_process import WorkerProcess
 
 _log = logging.getLogger(__name__)
 
@@ -34,10 +27,6 @@ _log = logging.getLogger(__name__)
 _STARTUP_TIMEOUT_S = 60.0
 # Exact arithmetic on a pathological answer can eat memory faster than the timeout ends it.
 _WORKER_MEMORY_BYTES = 4 << 30
-_READY = "ready"
-_WORKER_CODE = (
-    "import sys; from agentrl.rewards.verify_pool import worker_main; worker_main(*map(int, sys.argv[1:]))"
-)
 
 
 def default_size() -> int:
@@ -68,99 +57,31 @@ def compare(pred: str, gold: str, timeout_s: float) -> bool:
         return False
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """A worker whose parent died (even by SIGKILL) must not live on: poll the parent id."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(0)
-
-
-def worker_main(recv_fd: int, send_fd: int) -> None:
-    """Answer `(pred, gold, timeout_s)` requests with a bool until the parent closes the pipe."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent, which stops us
-    parent_pid = os.getppid()
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, resource.RLIM_INFINITY))
-    except (ImportError, ValueError, OSError):
-        pass  # no such limit here; the timeout still bounds the damage
-    requests, replies = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
-    import math_verify  # noqa: F401 - pay the import before saying ready
-
+def handle(request: tuple[str, str, float]) -> bool:
+    """A worker's answer to one `(pred, gold, timeout_s)` request."""
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeout warnings are expected
-    replies.send(_READY)
-    while True:
-        try:
-            pred, gold, timeout_s = requests.recv()
-        except (EOFError, OSError):
-            return
-        replies.send(compare(pred, gold, timeout_s))
+    return compare(*request)
 
 
 # --- in the grading process ---------------------------------------------------------------------------
 
 
-class _Worker:
-    """One worker process and our ends of its two pipes."""
-
+class _Worker(WorkerProcess):
     def __init__(self) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        # The child must import this package even when we found it through the working directory.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        )
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        except BaseException:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
-            raise
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.requests = Connection(to_child_w, readable=False)
-        self.replies = Connection(from_child_r, writable=False)
-        self.ready = False
+        super().__init__("agentrl.rewards.verify_pool:handle", preload=("math_verify",),
+                         memory_bytes=_WORKER_MEMORY_BYTES)
 
     def call(self, pred: str, gold: str, timeout_s: float) -> bool:
         """The worker's verdict. TimeoutError when it overruns; EOFError or OSError when it is dead."""
-        if not self.ready:
-            if not self.replies.poll(_STARTUP_TIMEOUT_S):
-                raise TimeoutError(f"math-verify worker did not start within {_STARTUP_TIMEOUT_S}s")
-            try:
-                ready = self.replies.recv()
-            except EOFError:
-                _log.warning("a math-verify worker exited while starting (exit code %s)", self.proc.poll())
-                raise
-            if ready != _READY:
-                raise RuntimeError(f"math-verify worker said {ready!r} instead of {_READY!r}")
-            self.ready = True
-        self.requests.send((pred, gold, timeout_s))
+        try:
+            self.wait_ready(_STARTUP_TIMEOUT_S, "math-verify")
+        except EOFError:
+            _log.warning("a math-verify worker exited while starting (exit code %s)", self.proc.poll())
+            raise
+        self.send((pred, gold, timeout_s))
         if not self.replies.poll(timeout_s):
             raise TimeoutError(f"math-verify took longer than {timeout_s}s")
-        return bool(self.replies.recv())
-
-    def stop(self, kill: bool = False) -> None:
-        if kill:
-            self.proc.kill()
-        self.requests.close()  # a live, idle worker sees EOF and returns
-        self.replies.close()
-        try:
-            self.proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return bool(self.receive())
 
 
 class VerifyPool:

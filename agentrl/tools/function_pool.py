@@ -1,23 +1,25 @@
 """The worker processes that run the task's Python function tools (functions.py).
 
-Each worker is a spawned process that imports the functions it is asked for (once each) and runs one call
+Each worker (agentrl/worker_process.py) imports the functions it is asked for, once each, and runs one call
 at a time: a sync function as it is, an async one in an event loop of the worker's own. A call waits for a
-free worker; its answer comes back over a pipe, read without blocking the caller's event loop. A call past
-its timeout, or cancelled, kills its worker (the only way to end code that ignores time limits, a busy
-loop or a C extension holding the GIL); a worker that died is replaced before the next call takes it.
+free worker; its answer is awaited on the caller's event loop, which stays free meanwhile. A call past its
+timeout, or cancelled, kills its worker (the only way to end code that ignores time limits: a busy loop,
+a C extension holding the GIL); a worker that died is replaced before the next call takes it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 from agentrl.tools.functions import load_function, observation
+from agentrl.worker_process import READY, WorkerProcess
+
+STARTUP_TIMEOUT_S = 60.0  # a fresh worker's interpreter and imports, not charged to the call
+_functions: dict[str, Any] = {}  # in a worker: the functions imported so far
+_loop: asyncio.AbstractEventLoop | None = None  # in a worker: where async functions run
 
 
 @dataclass
@@ -27,61 +29,36 @@ class Answer:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def _worker_main(conn: Connection, cwd: str) -> None:
-    """Answer (ref, kwargs) calls with ("ok", text) or (error kind, text) until the pipe closes."""
-    os.chdir(cwd)  # file refs are relative to the trainer's working directory
-    functions: dict[str, Any] = {}
-    loop = None
-    while True:
-        try:
-            ref, kwargs = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            fn = functions.get(ref) or functions.setdefault(ref, load_function(ref))
-            value = fn(**kwargs)
-            if asyncio.iscoroutine(value):
-                loop = loop or asyncio.new_event_loop()
-                value = loop.run_until_complete(value)
-        except Exception as e:  # the function failed: the model sees why, as for a failed program
-            lines = traceback.format_exception_only(type(e), e)
-            conn.send(("tool_error", f"Error: {''.join(lines).strip()}"))
-            continue
-        try:
-            conn.send(("ok", observation(value)))
-        except (TypeError, ValueError) as e:
-            conn.send(("bad_response", f"Error: the tool returned a {type(value).__name__}, not text or a JSON "
-                                       f"value ({e})"))
+def handle(request: tuple[str, dict[str, Any]]) -> tuple[str, str]:
+    """In a worker: run one call, `(ref, kwargs)`, and answer ("ok", what the model sees) or (error kind, text)."""
+    global _loop
+    ref, kwargs = request
+    try:
+        fn = _functions.get(ref) or _functions.setdefault(ref, load_function(ref))
+        value = fn(**kwargs)
+        if asyncio.iscoroutine(value):
+            _loop = _loop or asyncio.new_event_loop()
+            value = _loop.run_until_complete(value)
+    except Exception as e:  # the function failed: the model sees why, as for a failed program
+        return "tool_error", f"Error: {''.join(traceback.format_exception_only(type(e), e)).strip()}"
+    try:
+        return "ok", observation(value)
+    except (TypeError, ValueError) as e:
+        return "bad_response", f"Error: the tool returned a {type(value).__name__}, not text or a JSON value ({e})"
 
 
-class _Worker:
-    def __init__(self) -> None:
-        ours, theirs = multiprocessing.get_context("spawn").Pipe()
-        self.conn = ours
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=_worker_main, args=(theirs, os.getcwd()), name="agentrl-tool-worker", daemon=True)
-        self.process.start()
-        theirs.close()
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-        self.conn.close()
-
-
-async def _readable(conn: Connection, timeout_s: float) -> bool:
-    """Whether `conn` has something to read (an answer, or the end of a dead worker) within `timeout_s`."""
+async def _reply(worker: WorkerProcess, timeout_s: float) -> Any:
+    """The worker's next message, awaited on this event loop; TimeoutError past `timeout_s`, EOFError if it
+    died."""
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
-    fd = conn.fileno()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(True))
+    fd = worker.replies.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
     try:
-        return await asyncio.wait_for(ready, timeout_s)
-    except TimeoutError:
-        return False
+        await asyncio.wait_for(ready, timeout_s)
     finally:
         loop.remove_reader(fd)
+    return worker.receive()
 
 
 class FunctionPool:
@@ -91,52 +68,49 @@ class FunctionPool:
         if workers < 1:
             raise ValueError(f"a function pool needs at least one worker, got {workers}")
         self.size = workers
-        self._idle: asyncio.Queue[_Worker] | None = None  # made on first use, in the caller's event loop
-        self._all: list[_Worker] = []
-        self.restarts = 0  # workers replaced after a timeout, a cancellation or a crash
+        self._idle: asyncio.Queue[WorkerProcess] | None = None  # made on first use, in the caller's event loop
+        self.restarts = 0  # workers replaced after a timeout, a cancellation or a death
 
     def _start(self) -> None:
         self._idle = asyncio.Queue()
-        for _ in range(self.size):
-            worker = _Worker()
-            self._all.append(worker)
-            self._idle.put_nowait(worker)
+        for _ in range(self.size):  # started together: their imports overlap
+            self._idle.put_nowait(WorkerProcess("agentrl.tools.function_pool:handle"))
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        worker.kill()
-        self._all.remove(worker)
+    def _replace(self, worker: WorkerProcess) -> WorkerProcess:
+        worker.stop(kill=True)
         self.restarts += 1
-        fresh = _Worker()
-        self._all.append(fresh)
-        return fresh
+        return WorkerProcess("agentrl.tools.function_pool:handle")
 
     async def call(self, ref: str, kwargs: dict[str, Any], timeout_s: float) -> Answer:
         if self._idle is None:
             self._start()
-        worker = await self._idle.get()
-        if not worker.process.is_alive():  # died since its last call
+        idle = self._idle
+        worker = await idle.get()
+        if not worker.alive:  # died since its last call
             worker = self._replace(worker)
-        keep = True
+        keep = False
         try:
-            worker.conn.send((ref, kwargs))
-            if not await _readable(worker.conn, timeout_s):
-                keep = False
-                return Answer(f"Error: the tool did not finish within {timeout_s:g} s; it was stopped", "timeout")
-            kind, text = worker.conn.recv()
+            if not worker.ready:
+                if await _reply(worker, STARTUP_TIMEOUT_S) != READY:
+                    raise EOFError("the worker did not say it was ready")
+                worker.ready = True
+            worker.send((ref, kwargs))
+            kind, text = await _reply(worker, timeout_s)
+            keep = True
             return Answer(text, None if kind == "ok" else kind)
-        except (EOFError, OSError) as e:  # the worker died mid-call (a crash, os._exit, out of memory)
-            keep = False
-            code = worker.process.exitcode
-            return Answer(f"Error: the tool's worker process died (exit code {code}): {type(e).__name__}",
-                          "exception")
-        except BaseException:  # cancelled: the call may still run there
-            keep = False
-            raise
-        finally:
-            self._idle.put_nowait(worker if keep else self._replace(worker))
+        except TimeoutError:
+            return Answer(f"Error: the tool did not finish within {timeout_s:g} s; it was stopped", "timeout")
+        except (EOFError, OSError) as e:  # the worker died (a crash, os._exit, out of memory)
+            return Answer(f"Error: the tool's worker process died (exit code {worker.proc.poll()}): "
+                          f"{type(e).__name__}", "exception")
+        finally:  # a worker that did not answer may still be running the call: never reused
+            if self._idle is not idle:  # the pool was closed meanwhile
+                worker.stop(kill=not keep)
+            else:
+                idle.put_nowait(worker if keep else self._replace(worker))
 
     def close(self) -> None:
-        for worker in self._all:
-            worker.kill()
-        self._all.clear()
-        self._idle = None
+        """End the workers (idle ones; busy ones are ended when their call returns). Closing twice is fine."""
+        idle, self._idle = self._idle, None
+        while idle is not None and not idle.empty():
+            idle.get_nowait().stop()
