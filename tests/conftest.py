@@ -70,3 +70,19 @@ def ray_token_mode() -> None:
     with RAY_AUTH_MODE=token; where it does not, token mode makes `ray start` fail for want of a token."""
     if (Path.home() / ".ray" / "auth_token").exists():
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def process_gone(pid: int, within_s: float = 30.0) -> bool:
+    """Whether process `pid` is gone (or a zombie left to be reaped) before the deadline."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -17,6 +17,7 @@ import torch
 from agentrl.engine import Sampling
 from agentrl.engine.hf import HFEngine
 from agentrl.engine.process import EngineClosed, ProcessEngine
+from tests.conftest import process_gone
 
 FACTORY = "agentrl.engine.hf:HFEngine.from_pretrained"
 PROMPTS = ["Compute 2 + 3", "A conversation between User and Assistant.", "who wrote hamlet", "x"]
@@ -370,20 +371,6 @@ def test_a_dead_child_fails_every_call_with_its_exit_code(probe) -> None:
     loop.run_until_complete(go())
 
 
-def _gone(pid: int, within_s: float = 30.0) -> bool:
-    """Whether process `pid` is gone (or a zombie left to be reaped) before the deadline."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_what_a_killed_child_started_is_ended_with_it_and_a_restart_serves_again(probe) -> None:
     engine, loop = probe
 
@@ -392,9 +379,9 @@ def test_what_a_killed_child_started_is_ended_with_it_and_a_restart_serves_again
         os.kill(engine.process.pid, signal.SIGKILL)  # the child dies; its helper would live on, orphaned
         with pytest.raises(EngineClosed, match="exit code -9"):
             await engine.call("echo", 1)
-        assert not _gone(helper, within_s=0.5)
+        assert not process_gone(helper, within_s=0.5)
         await engine.restart()
-        assert _gone(helper) and engine.restarts == 1
+        assert process_gone(helper) and engine.restarts == 1
         assert await engine.call("echo", 2) == 2
 
     loop.run_until_complete(go())

@@ -5,22 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
-from tests.conftest import REPO
-
-
-def _gone(pid: int, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False
+from tests.conftest import REPO, process_gone
 
 
 def test_a_busy_worker_exits_when_its_parent_is_killed(tmp_path):
@@ -38,7 +24,7 @@ def test_a_busy_worker_exits_when_its_parent_is_killed(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
     worker = int(out.stdout.split()[0])
-    assert _gone(worker, within_s=30), "the worker outlived its parent"
+    assert process_gone(worker, within_s=30), "the worker outlived its parent"
 
 
 def test_a_worker_answers_with_its_handler_and_ends_when_its_pipe_closes(tmp_path, monkeypatch):
