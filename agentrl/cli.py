@@ -6,6 +6,8 @@ the command that needs them, so `agentrl --help` is instant. A subcommand exists
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -87,7 +89,7 @@ def tasks_validate(
         s = task.spec
         tools = f"{s.tools.format} {s.tools.all_names}" if s.tools.format else "no tools"
         tools += f" ({len(schemas)} schemas)" if s.tools.functions else ""
-        typer.echo(f"ok   {path}: {s.name}; {tools}; reward {s.reward.name}")
+        typer.echo(f"ok   {path}: {s.name}; {tools}; reward {s.reward.label}")
         typer.echo(f"     dataset {s.dataset.path}: {data}")
     if failed:
         raise typer.Exit(code=1)
@@ -160,7 +162,7 @@ def tasks_check(
     from rich.table import Table
 
     from agentrl.config import ConfigError, atomic_write_text, write_resolved
-    from agentrl.rewards import build_reward
+    from agentrl.rewards import task_reward
     from agentrl.task import load_task
 
     if out is not None and out.exists() and not out.is_dir():
@@ -173,10 +175,11 @@ def tasks_check(
     missing = [r.id for r in rows if field not in r.fields]
     if missing:
         raise _fail(f"--field {field!r}: {len(missing)} rows lack it (first: row {missing[0]})")
-    reward = build_reward(task.spec.reward.name, task.spec.reward.params)
+    reward = task_reward(task.spec.reward)
     results, failures = [], []
     for r in rows:
         res = reward(str(r.fields[field]), r.ground_truth)
+        res = asyncio.run(res) if inspect.isawaitable(res) else res  # a user's reward function
         results.append({"id": r.id, "score": res.score, **res.parts, "ground_truth": r.ground_truth})
         if res.parts.get("correct", 0.0) < 1.0:
             failures.append(r)
@@ -184,7 +187,7 @@ def tasks_check(
     fraction = n_correct / len(rows) if rows else 0.0
 
     console = Console(highlight=False)
-    table = Table(title=f"{task.spec.name}: `{field}` graded by reward {task.spec.reward.name!r}")
+    table = Table(title=f"{task.spec.name}: `{field}` graded by reward {task.spec.reward.label!r}")
     for col in ("rows", "correct", "fraction", "mean score"):
         table.add_column(col, justify="right")
     mean = sum(res["score"] for res in results) / len(results) if results else 0.0

@@ -185,12 +185,31 @@ class ToolsSpec(StrictModel):
 
 
 class RewardSpec(StrictModel):
-    name: str
+    """Exactly one of: `name`, a built-in reward (its `params` checked against its own model), or
+    `function`, the user's own (rewards/function.py; `params` are its keyword arguments)."""
+
+    name: str | None = None
+    function: str | None = Field(None, description="'path/to/file.py:name' or 'package.module:name'")
     params: dict[str, Any] = {}
+    timeout_s: float = Field(30.0, gt=0, description="function: a call still running after this errors its "
+                                                     "trajectory")
+
+    @property
+    def label(self) -> str:
+        return self.name or f"function {self.function}"
 
     @model_validator(mode="after")
     def _known(self) -> RewardSpec:
         from agentrl.rewards import params_model  # lazy: rewards import the grader
+
+        if (self.name is None) == (self.function is None):
+            raise ValueError("give exactly one of 'name' (a built-in reward) or 'function' (your own)")
+        if self.function is not None:
+            module, sep, attr = self.function.rpartition(":")
+            if not (sep and module and attr):
+                raise ValueError(f"function {self.function!r}: expected 'path/to/file.py:name' or "
+                                 "'package.module:name'")
+            return self
 
         model = params_model(self.name)
         try:

@@ -37,7 +37,7 @@ from agentrl.engine.versioned import VersionedEngine
 from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
 from agentrl.prompt_order import PromptSampler
-from agentrl.rewards import build_reward, score
+from agentrl.rewards import score, task_reward
 from agentrl.rollout import ErroredSteps, dump_trajectories, rollout, rollout_metrics
 from agentrl.run_config import RunConfig
 from agentrl.run_dir import MetricsLog, RunDir
@@ -98,7 +98,7 @@ class Trainer:
         self.learning = asyncio.Lock()  # held while the learner's weights change
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
                                 observation_max_chars=spec.budgets.observation_max_chars)
-        self.reward = build_reward(spec.reward.name, spec.reward.params)
+        self.reward = task_reward(spec.reward, spec.tools.workers)
         self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
         self.tools = build_tools(self.services.urls, spec.tools.search_topk, self.services.sandbox_token,
                                  config.services.tool_retries, spec.tools.functions, spec.tools.workers)
@@ -195,7 +195,7 @@ class Trainer:
                                     budgets=self.config.task.budgets, tokenizer=self.tokenizer,
                                     config=self.config.rollout.model_copy(update={"seed": seed}),
                                     priority=index // t.prompts_per_step)
-            score(group.trajectories, self.reward, self.tokenizer)
+            await score(group.trajectories, self.reward, self.tokenizer)
             await self.queue.put((index, epoch, prompt, group))
         except asyncio.CancelledError:
             raise

@@ -58,13 +58,16 @@ def serve(recv_fd: str, send_fd: str, handler_ref: str, preload: str, memory_byt
     handler = getattr(importlib.import_module(module), name)
     for extra in filter(None, preload.split(",")):  # paid before saying ready, not by the first request
         importlib.import_module(extra)
-    replies.send(READY)
-    while True:
-        try:
-            request = requests.recv()
-        except (EOFError, OSError):
-            return
-        replies.send(handler(request))
+    try:
+        replies.send(READY)
+        while True:
+            try:
+                request = requests.recv()
+            except (EOFError, OSError):
+                return
+            replies.send(handler(request))
+    except BrokenPipeError:  # the parent stopped listening: it is done with us
+        return
 
 
 class WorkerProcess:

@@ -247,3 +247,62 @@ def test_tasks_show_prints_the_schemas_the_model_sees(tools_file, tmp_path, qwen
     assert shown.exit_code == 0, shown.output
     assert '──── tool add ────\n{\n  "type": "function"' in shown.output and '"description": "Adds."' in shown.output
     assert '"name": "add", "description": "Adds."' in shown.output  # and the prompt holds it, as the template wrote it
+
+
+REWARDS = '''
+import time
+
+
+def exact(response, ground_truth, tool_calls, bonus=0.0):
+    correct = ground_truth in response
+    used = any(c["name"] == "add" and c["error"] is None for c in tool_calls)
+    return {"score": float(correct) + (bonus if used else 0.0), "correct": float(correct), "used_add": float(used)}
+
+
+def plain(response, ground_truth, tool_calls):
+    return 0.5
+
+
+def raises(response, ground_truth, tool_calls):
+    raise KeyError("no such answer")
+
+
+def no_score(response, ground_truth, tool_calls):
+    return {"correct": 1.0}
+
+
+def slow(response, ground_truth, tool_calls):
+    time.sleep(60)
+'''
+
+
+def test_a_reward_function_scores_from_the_models_text_and_errors_what_fails(tmp_path, monkeypatch, tiny_tokenizer):
+    from agentrl.rewards import score, task_reward
+    from agentrl.task_spec import RewardSpec
+    from agentrl.types import Prompt, Segment, StopReason, ToolRecord, ToolResult, Trajectory
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    ids = tuple(tiny_tokenizer.encode("the answer is 42"))
+    shown = tuple(tiny_tokenizer.encode(" 42 "))  # a tool printed it: never read by the reward
+
+    def trajectory(answer_ids) -> Trajectory:
+        prompt = Prompt(id="p", text="q", token_ids=(1,), question="q", ground_truth="42")
+        segments = [Segment("tool", list(shown)), Segment("model", list(answer_ids), [0.0] * len(answer_ids))]
+        records = [ToolRecord(1, ToolCall("add", {"a": 1}), ToolResult("42"))]
+        return Trajectory(prompt, segments, StopReason.EOS, 0, records)
+
+    results = {}
+    for name, params in [("exact", {"bonus": 0.5}), ("plain", {}), ("raises", {}), ("no_score", {}), ("slow", {})]:
+        reward = task_reward(RewardSpec(function=f"rewards.py:{name}", params=params, timeout_s=1), workers=1)
+        ts = [trajectory(ids), trajectory(tuple(tiny_tokenizer.encode("no idea")))]
+        try:
+            asyncio.run(score(ts, reward, tiny_tokenizer))
+        finally:
+            reward.close()
+        results[name] = [(t.reward.score, t.reward.parts, t.error) for t in ts]
+    assert results["exact"] == [(1.5, {"correct": 1.0, "used_add": 1.0}, None),
+                                (0.5, {"correct": 0.0, "used_add": 1.0}, None)]  # the tool's "42" earned nothing
+    assert results["plain"] == [(0.5, {}, None)] * 2
+    for failed in ("raises", "no_score", "slow"):  # out of the loss and counted; the run goes on
+        assert results[failed] == [(0.0, {}, "reward")] * 2, failed

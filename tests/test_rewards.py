@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from agentrl.rewards import REWARDS, build_reward, params_model, verify_pool
 from agentrl.rewards.math import MathReward, extract_boxed, is_equiv, normalize_answer
 from agentrl.rewards.qa import QAF1, QAExactMatch, extract_answer, f1_score, normalize_text
+from agentrl.types import ToolCall, ToolRecord, ToolResult
 
 
 def _worker_pids() -> list[int]:
@@ -182,15 +183,18 @@ def test_math_reward_values() -> None:
     assert [limr(r, "2").score for r in (r"\boxed{2}", r"\boxed{3}", "it is 2", r"\boxed{}")] == [1.0, -0.5, -1.0, -1.0]
 
 
+def _records(*errors: str | None) -> list[ToolRecord]:
+    return [ToolRecord(1, ToolCall("python", {"code": "x"}), ToolResult("out", error)) for error in errors]
+
+
 def test_math_reward_exec_error_penalty_needs_a_failed_call() -> None:
     reward = build_reward("math", {"exec_error_penalty": 0.5})
     answer = r"\boxed{4}"
-    assert reward(answer, "4", tool_calls=2, tool_errors=1).score == 0.5
-    assert reward(answer, "4", tool_calls=2, tool_errors=1).parts["exec_error"] == 1.0
-    assert reward(answer, "5", tool_calls=1, tool_errors=1).score == -1.5
-    assert reward(answer, "4", tool_calls=0, tool_errors=0).score == 1.0  # never called the tool
-    assert reward(answer, "4", tool_calls=3, tool_errors=0).score == 1.0  # called it, all fine
-    assert reward(answer, "4", tool_calls=0, tool_errors=1).score == 1.0
+    assert reward(answer, "4", tool_records=_records(None, "execution_error")).score == 0.5
+    assert reward(answer, "4", tool_records=_records("execution_error", None)).parts["exec_error"] == 1.0
+    assert reward(answer, "5", tool_records=_records("timeout")).score == -1.5
+    assert reward(answer, "4").score == 1.0  # never called the tool
+    assert reward(answer, "4", tool_records=_records(None, None, None)).score == 1.0  # called it, all fine
 
 
 def test_math_reward_gold_list_and_params() -> None:

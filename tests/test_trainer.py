@@ -229,7 +229,7 @@ class DigitShare:
     def __init__(self, params=None) -> None:
         pass
 
-    def __call__(self, response, ground_truth, *, tool_calls=0, tool_errors=0) -> RewardResult:
+    def __call__(self, response, ground_truth, *, tool_records=()) -> RewardResult:
         digits = sum(c.isdigit() for c in response)
         return RewardResult(digits / max(len(response), 1), {"correct": float(digits > 0)})
 

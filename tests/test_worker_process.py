@@ -18,7 +18,7 @@ def test_a_busy_worker_exits_when_its_parent_is_killed(tmp_path):
         from agentrl.worker_process import WorkerProcess
         worker = WorkerProcess("agentrl.tools.function_pool:handle")
         worker.wait_ready(60, "test")
-        worker.send(("busy.py:spin", {{}}))  # busy for good
+        worker.send(("busy.py:spin", {{}}, True))  # busy for good
         print(worker.proc.pid, flush=True)
         os.kill(os.getpid(), 9)  # the parent dies without a word
     """)
@@ -34,7 +34,7 @@ def test_a_worker_answers_with_its_handler_and_ends_when_its_pipe_closes(tmp_pat
     (tmp_path / "double.py").write_text("def double(x):\n    return 2 * x\n")
     worker = WorkerProcess("agentrl.tools.function_pool:handle")
     worker.wait_ready(60, "test")
-    worker.send(("double.py:double", {"x": 21}))
+    worker.send(("double.py:double", {"x": 21}, True))
     assert worker.receive() == ("ok", "42")
     worker.stop()
     assert worker.proc.returncode == 0

@@ -48,7 +48,7 @@ def majority_correct(answers: Sequence[str | None], verdicts: Sequence[bool]) ->
     return bool(verdicts[answers.index(winner)])
 
 
-def answer_format(reward_name: str) -> str:
+def answer_format(reward_name: str | None) -> str:
     """How a task's reward reads the final answer: `answer-tag` (the QA rewards) or `boxed` (math)."""
     return "answer-tag" if reward_name in ("qa_em", "qa_f1") else "boxed"
 
@@ -130,6 +130,6 @@ async def evaluate(prompts: Sequence[Prompt], *, engine: Any, fmt: ToolFormat, t
     groups = await rollout(prompts, engine=engine, fmt=fmt, tools=tools, budgets=budgets, tokenizer=tokenizer,
                            config=config, on_done=on_done)
     trajectories = [t for g in groups for t in g.trajectories]
-    score(trajectories, reward, tokenizer)
+    await score(trajectories, reward, tokenizer)
     records = [sample_record(t, tokenizer, answer_format, extra) for t in trajectories]
     return EvalResult(summarize(records, n, prefix) if records else {}, records)

@@ -19,7 +19,7 @@ from typing import Any
 from agentrl.config import ConfigError, atomic_write_text
 from agentrl.eval.datasets import resolve
 from agentrl.eval.evaluate import answer_format, evaluate, summarize
-from agentrl.rewards import build_reward
+from agentrl.rewards import build_reward, task_reward
 from agentrl.run_dir import append_jsonl
 from agentrl.task import Task
 from agentrl.task_spec import Budgets, TaskSpec, ToolsSpec
@@ -54,14 +54,14 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
                 bench = dataclasses.replace(bench, kind="qa" if task_format == "answer-tag" else "math")
             if (bench.kind == "qa") != (task_format == "answer-tag"):
                 raise ConfigError(f"--benchmarks {bench.name} is a {bench.kind} benchmark, and the task's reward "
-                                  f"is {spec.reward.name!r}: pass a {bench.kind} task (e.g. tasks/"
+                                  f"is {spec.reward.label!r}: pass a {bench.kind} task (e.g. tasks/"
                                   f"{'search_r1' if bench.kind == 'qa' else 'torl_math'}.yaml)")
             task = Task(spec.model_copy(update={"dataset": dataset}), source=f"--benchmarks {bench.name}")
             prompts = list(task.prompts(tokenizer))
             path = out / f"{bench.name}.samples.jsonl"
             records = _complete(path, n)
             todo = [p for p in prompts if p.id not in {r["prompt_id"] for r in records}]
-            reward = build_reward(spec.reward.name, spec.reward.params)
+            reward = task_reward(spec.reward, spec.tools.workers)
             extra = build_reward("qa_f1", {}) if bench.kind == "qa" else None
             bar = _Bar(bench.name, len(prompts) * n, len(records)) if progress else None
             for i in range(0, len(todo), CHUNK_PROMPTS):

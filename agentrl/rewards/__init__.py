@@ -1,28 +1,33 @@
-"""Rewards by name: a task spec says `reward: {name: math, params: {...}}` and the trainer builds it here.
+"""Rewards: a built-in one by name (`reward: {name: math, params: {...}}`), or a function of the user's own
+(`reward: {function: file.py:name}`, function.py); the trainer builds the task's here (`task_reward`).
 
 A reward is called once per trajectory with the response text only, never the prompt:
-`reward(response, ground_truth, *, tool_calls=0, tool_errors=0) -> RewardResult`, the score plus named
-sub-scores (`correct`, `has_answer`, ...) that the trainer logs as `reward/<name>`. `ground_truth` is one
-answer or a list of acceptable ones. math.py grades boxed math answers (TORL); qa.py scores `<answer>`
-tags by exact match or F1 (Search-R1). Each reward class carries its parameters as a nested `Params`
-model, so task.py validates them with `params_model(name)` before anything is built.
+`reward(response, ground_truth, *, tool_records=()) -> RewardResult` (a user's function: awaitable), the
+score plus named sub-scores (`correct`, `has_answer`, ...) that the trainer logs as `reward/<name>`.
+`ground_truth` is one answer or a list of acceptable ones. math.py grades boxed math answers (TORL); qa.py
+scores `<answer>` tags by exact match or F1 (Search-R1). Each built-in reward class carries its parameters
+as a nested `Params` model, so task.py validates them with `params_model(name)` before anything is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+import logging
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol
 
 from agentrl.config import StrictModel
+from agentrl.rewards.function import FunctionReward, RewardFailed
 from agentrl.rewards.math import MathReward
 from agentrl.rewards.qa import QAF1, QAExactMatch
-from agentrl.types import RewardResult, Trajectory
+from agentrl.types import RewardResult, ToolRecord, Trajectory
+
+_log = logging.getLogger(__name__)
 
 
 class Reward(Protocol):
-    def __call__(
-        self, response: str, ground_truth: str | list[str], *, tool_calls: int = 0, tool_errors: int = 0
-    ) -> RewardResult: ...
+    def __call__(self, response: str, ground_truth: str | list[str], *,
+                 tool_records: Sequence[ToolRecord] = ()) -> RewardResult | Awaitable[RewardResult]: ...
 
 
 REWARDS: dict[str, type] = {"math": MathReward, "qa_em": QAExactMatch, "qa_f1": QAF1}
@@ -48,9 +53,21 @@ def model_text(trajectory: Trajectory, tokenizer: Any) -> str:
     return "".join(tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == "model")
 
 
-def score(trajectories: Iterable[Trajectory], reward: Reward, tokenizer: Any) -> None:
-    """Set each trajectory's `reward` from the text the model wrote and its tool calls."""
+def task_reward(spec: Any, workers: int = 2) -> Reward:
+    """The reward a task spec's `reward` (a task_spec.RewardSpec, which imports this package) names: built
+    in (`name`, with `params`), or the user's `function`, run by `workers` processes."""
+    if spec.function is not None:
+        return FunctionReward(spec.function, spec.params, spec.timeout_s, workers)
+    return build_reward(spec.name, spec.params)
+
+
+async def score(trajectories: Iterable[Trajectory], reward: Reward, tokenizer: Any) -> None:
+    """Set each trajectory's `reward` from the text the model wrote and its tool calls. A user's reward
+    that failed for a trajectory errors it (`error` "reward": out of the loss, counted), scored 0."""
     for t in trajectories:
-        errors = sum(not r.result.ok for r in t.tool_records)
-        t.reward = reward(model_text(t, tokenizer), t.prompt.ground_truth, tool_calls=len(t.tool_records),
-                          tool_errors=errors)
+        try:
+            result = reward(model_text(t, tokenizer), t.prompt.ground_truth, tool_records=t.tool_records)
+            t.reward = await result if inspect.isawaitable(result) else result
+        except RewardFailed as e:
+            _log.warning("%s", e)
+            t.reward, t.error = RewardResult(0.0), t.error or "reward"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -19,7 +19,7 @@ from pydantic import Field
 
 from agentrl.config import StrictModel
 from agentrl.rewards import verify_pool
-from agentrl.types import RewardResult
+from agentrl.types import RewardResult, ToolRecord
 
 _log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class MathReward:
         self.params = params if params is not None else self.Params()
 
     def __call__(
-        self, response: Any, ground_truth: Any, *, tool_calls: int = 0, tool_errors: int = 0
+        self, response: Any, ground_truth: Any, *, tool_records: Sequence[ToolRecord] = ()
     ) -> RewardResult:
         try:
             answer = extract_boxed(response)
@@ -385,7 +385,7 @@ class MathReward:
         correct = has_answer and any(is_equiv(answer, g, self.params.timeout_s) for g in golds)
         # ToRL penalised every response whose tool output was an error or absent; we penalise only
         # a response that did call the tool and saw it fail.
-        exec_error = tool_calls > 0 and tool_errors > 0
+        exec_error = any(not r.result.ok for r in tool_records)
         score = self.params.correct if correct else self.params.incorrect
         if not has_answer and self.params.no_answer is not None:
             score = self.params.no_answer

@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from agentrl.config import StrictModel
-from agentrl.types import RewardResult
+from agentrl.types import RewardResult, ToolRecord
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -97,7 +98,7 @@ class QAExactMatch:
         self.params = params if params is not None else self.Params()
 
     def __call__(
-        self, response: Any, ground_truth: Any, *, tool_calls: int = 0, tool_errors: int = 0
+        self, response: Any, ground_truth: Any, *, tool_records: Sequence[ToolRecord] = ()
     ) -> RewardResult:
         answer = extract_answer(response)
         correct = answer is not None and exact_match(answer, gold_list(ground_truth))
@@ -117,7 +118,7 @@ class QAF1:
         self.params = params if params is not None else self.Params()
 
     def __call__(
-        self, response: Any, ground_truth: Any, *, tool_calls: int = 0, tool_errors: int = 0
+        self, response: Any, ground_truth: Any, *, tool_records: Sequence[ToolRecord] = ()
     ) -> RewardResult:
         answer = extract_answer(response)
         golds = gold_list(ground_truth)

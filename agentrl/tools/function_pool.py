@@ -10,6 +10,8 @@ a C extension holding the GIL); a worker that died is replaced before the next c
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,13 +28,15 @@ _loop: asyncio.AbstractEventLoop | None = None  # in a worker: where async funct
 class Answer:
     text: str
     error: str | None = None
+    value: Any = None  # what the function returned, where asked for as a value
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def handle(request: tuple[str, dict[str, Any]]) -> tuple[str, str]:
-    """In a worker: run one call, `(ref, kwargs)`, and answer ("ok", what the model sees) or (error kind, text)."""
+def handle(request: tuple[str, dict[str, Any], bool]) -> tuple[str, Any]:
+    """In a worker: run one call, `(ref, kwargs, as_text)`, and answer ("ok", what the model sees; with
+    `as_text` false, the value itself) or (error kind, text)."""
     global _loop
-    ref, kwargs = request
+    ref, kwargs, as_text = request
     try:
         fn = _functions.get(ref) or _functions.setdefault(ref, load_function(ref))
         value = fn(**kwargs)
@@ -42,7 +46,7 @@ def handle(request: tuple[str, dict[str, Any]]) -> tuple[str, str]:
     except Exception as e:  # the function failed: the model sees why, as for a failed program
         return "tool_error", f"Error: {''.join(traceback.format_exception_only(type(e), e)).strip()}"
     try:
-        return "ok", observation(value)
+        return "ok", observation(value) if as_text else json.loads(json.dumps(value))
     except (TypeError, ValueError) as e:
         return "bad_response", f"Error: the tool returned a {type(value).__name__}, not text or a JSON value ({e})"
 
@@ -81,7 +85,9 @@ class FunctionPool:
         self.restarts += 1
         return WorkerProcess("agentrl.tools.function_pool:handle")
 
-    async def call(self, ref: str, kwargs: dict[str, Any], timeout_s: float) -> Answer:
+    async def call(self, ref: str, kwargs: dict[str, Any], timeout_s: float, as_text: bool = True) -> Answer:
+        """`ref`'s function called with `kwargs` in a worker: its answer as text (as the model sees it), or
+        with `as_text` false the JSON value it returned (in `value`)."""
         if self._idle is None:
             self._start()
         idle = self._idle
@@ -94,15 +100,21 @@ class FunctionPool:
                 if await _reply(worker, STARTUP_TIMEOUT_S) != READY:
                     raise EOFError("the worker did not say it was ready")
                 worker.ready = True
-            worker.send((ref, kwargs))
-            kind, text = await _reply(worker, timeout_s)
+            worker.send((ref, kwargs, as_text))
+            kind, value = await _reply(worker, timeout_s)
             keep = True
-            return Answer(text, None if kind == "ok" else kind)
+            if kind != "ok":
+                return Answer(value, kind)
+            return Answer(value) if as_text else Answer("", value=value)
         except TimeoutError:
             return Answer(f"Error: the tool did not finish within {timeout_s:g} s; it was stopped", "timeout")
         except (EOFError, OSError) as e:  # the worker died (a crash, os._exit, out of memory)
-            return Answer(f"Error: the tool's worker process died (exit code {worker.proc.poll()}): "
-                          f"{type(e).__name__}", "exception")
+            try:
+                code = await asyncio.to_thread(worker.proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                code = None
+            return Answer(f"Error: the tool's worker process died (exit code {code}): {type(e).__name__}",
+                          "exception")
         finally:  # a worker that did not answer may still be running the call: never reused
             if self._idle is not idle:  # the pool was closed meanwhile
                 worker.stop(kill=not keep)
