@@ -86,6 +86,7 @@ def test_a_tool_service_that_stays_down_errors_its_trajectories_then_stops_the_r
     assert not any(k.startswith("actor/") for x in m for k in x)  # nothing errored was trained on
 
 
+@pytest.mark.slow
 def test_an_engine_that_stops_answering_in_the_middle_of_a_push_stops_the_run(tmp_path, monkeypatch):
     import asyncio
 

@@ -209,7 +209,8 @@ def test_a_sandbox_killed_mid_run_gives_error_observations_and_is_restarted(tmp_
             service.proc.wait()
 
     # revived between steps only (the watcher, which revives within a step, is test_services.py's)
-    trainer = _scripted(tmp_path, [CODE_TURN, "\\boxed{42}"], "trainer.steps=3", "services.watch_interval_s=0")
+    trainer = _scripted(tmp_path, [CODE_TURN, "\\boxed{42}"], "trainer.steps=3", "services.watch_interval_s=0",
+                        "services.tool_retries=1")
     trainer.on_step_start = kill_at_step_2
     run = asyncio.run(trainer.run()).root
     metrics = read_jsonl(run / "metrics.jsonl")
