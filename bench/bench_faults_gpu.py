@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace, qs: Path, faults: Faults) -> tuple[list[dic
                  "learner.device=cuda"]
     else:  # the transformers engine in a child process, as vLLM is by default
         engine = ProcessEngine("agentrl.engine.hf:HFEngine.from_pretrained",
-                               {"path": f"{qs}/code_sft/export", "seed": 0})
+                               {"path": f"{qs}/code_sft/export", "seed": 0, "dtype": "float32"})
     shutil.rmtree(qs / "code_rl", ignore_errors=True)  # a fresh run, not a resume of the last one
     config = load_run_config(REPO / "configs/quickstart_code.yaml", sets)
     faults.instrument()

@@ -57,11 +57,13 @@ class HFEngine:
         self.stats = {"batches": 0, "forward_steps": 0, "requests": 0}
 
     @classmethod
-    def from_pretrained(cls, path: str, *, device: str = "cpu", max_batch: int = 64, seed: int = 0) -> HFEngine:
-        """An engine over the model and tokenizer saved in `path` (what engine/process.py's child makes)."""
+    def from_pretrained(cls, path: str, *, device: str = "cpu", max_batch: int = 64, seed: int = 0,
+                        dtype: str = "auto") -> HFEngine:
+        """An engine over the model and tokenizer saved in `path` (what engine/process.py's child makes), in
+        `dtype` (auto: the checkpoint's; float32 to match a float32 learner's numerics)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, AutoTokenizer.from_pretrained(path), max_batch=max_batch, seed=seed)
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, *, session: str | None = None) -> Completion:
