@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from typer.testing import CliRunner
 
 from agentrl.cli import app
@@ -53,3 +54,46 @@ def test_the_units_example_rolls_out_with_its_tool_and_is_scored_by_its_reward(m
     assert float(first.result.text) == gold and first.result.error is None
     assert second.result.error == "tool_error" and "unknown unit 'yd'" in second.result.text
     assert t.reward.score == 1.0 and t.reward.parts == {"correct": 1.0, "used_tool": 1.0} and t.error is None
+
+
+@pytest.mark.slow
+def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwen_tokenizer):
+    """`agentrl train`'s loop on the example task: the scripted model calls the function tool, the reward
+    function scores it, the learner steps; a real (tiny) model scores the scripted tokens."""
+    import json
+
+    import yaml
+
+    from agentrl.run_config import load_run_config
+    from agentrl.trainer import Trainer
+    from tests.conftest import QWEN_DIR
+    from tests.test_trainer import ScriptedEngine
+
+    class HermesScript(ScriptedEngine):
+        turn_marker = "<tool_response>"
+
+    monkeypatch.chdir(REPO)
+    tok = qwen_tokenizer
+    run = {"name": "units_scripted", "task": UNITS,
+           "model": {"tokenizer": str(QWEN_DIR), "config": {
+               "model_type": "qwen2", "vocab_size": (len(tok) + 127) // 128 * 128, "hidden_size": 16,
+               "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "max_position_embeddings": 2048, "tie_word_embeddings": True, "eos_token_id": tok.eos_token_id}},
+           "engine": {"kind": "hf", "device": "cpu"}, "rollout": {"n": 2, "temperature": 1.0},
+           "learner": {"device": "cpu", "token_budget": 4096},
+           "trainer": {"steps": 2, "prompts_per_step": 2, "run_dir": str(tmp_path / "run"), "probe_tokens": 0,
+                       "eval_every": 0, "export": False, "save_every": 0, "samples_per_step": 4},
+           "logging": {"progress": False}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    call = '<tool_call>{"name": "convert", "arguments": {"value": 5, "from_unit": "km", "to_unit": "m"}}</tool_call>'
+    turns = [call + tok.eos_token, "It is 5000.0 m." + tok.eos_token]
+    trainer = Trainer(load_run_config(tmp_path / "run.yaml"), engine=HermesScript(tok, turns))
+    asyncio.run(trainer.run())
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["tool/calls_per_trajectory"] == 1.0 and m["tool/error_rate"] == 0.0
+        assert m["reward/used_tool"] == 1.0 and m["rollout/errored"] == 0.0 and "actor/loss" in m
+    sample = json.loads((tmp_path / "run/samples/step_1.jsonl").read_text().splitlines()[0])
+    assert [s["source"] for s in sample["segments"]] == ["model", "tool", "model"]
+    assert "5000.0" in sample["segments"][1]["text"]
