@@ -155,12 +155,33 @@ class FunctionToolSpec(StrictModel):
         return self
 
 
+class MCPServerSpec(StrictModel):
+    """An MCP server whose tools the model may call (tools/mcp.py): a command agentrl starts (stdio), or a URL."""
+
+    command: list[str] | None = Field(None, description="the command that starts it, talking MCP over stdio")
+    url: str | None = Field(None, description="a server already running (Streamable HTTP)")
+    env: dict[str, str] = Field({}, description="command: its environment (default: the trainer's)")
+    timeout_s: float = Field(30.0, gt=0, description="a call still unanswered after this is a timeout")
+    startup_timeout_s: float = Field(60.0, gt=0, description="for the server to start and answer")
+
+    @property
+    def label(self) -> str:
+        return self.url or " ".join(self.command or [])
+
+    @model_validator(mode="after")
+    def _one_way(self) -> MCPServerSpec:
+        if (self.command is None) == (self.url is None) or self.command == []:
+            raise ValueError("give exactly one of 'command' (a list: the program and its arguments) or 'url'")
+        return self
+
+
 class ToolsSpec(StrictModel):
     format: Literal["torl", "search_r1", "hermes"] | None = None  # None: no tools, single-turn
     names: list[Literal["python", "search"]] = []
     search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
     functions: list[FunctionToolSpec] = Field([], description="Python functions as tools (format hermes)")
     workers: int = Field(4, ge=1, description="processes that run the function tools' calls")
+    mcp: list[MCPServerSpec] = Field([], description="MCP servers whose tools the model may call (format hermes)")
 
     @property
     def all_names(self) -> list[str]:
@@ -169,13 +190,15 @@ class ToolsSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ToolsSpec:
-        if self.format is None and self.all_names:
-            raise ValueError(f"tools {self.all_names} need a tool format: one of {', '.join(TOOL_FORMATS)}")
-        if self.format in FORMAT_TOOL and (self.names != [FORMAT_TOOL[self.format]] or self.functions):
+        if self.format is None and (self.all_names or self.mcp):
+            raise ValueError(f"tools {self.all_names or 'of MCP servers'} need a tool format: one of "
+                             f"{', '.join(TOOL_FORMATS)}")
+        custom = self.functions or self.mcp
+        if self.format in FORMAT_TOOL and (self.names != [FORMAT_TOOL[self.format]] or custom):
             raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]"
-                             + ("; function tools need format hermes" if self.functions else ""))
-        if self.format == "hermes" and not self.all_names:
-            raise ValueError("format 'hermes' needs at least one tool, in names or functions")
+                             + ("; function and MCP tools need format hermes" if custom else ""))
+        if self.format == "hermes" and not (self.all_names or self.mcp):
+            raise ValueError("format 'hermes' needs at least one tool, in names, functions or mcp")
         seen = set()
         for name in self.all_names:
             if name in seen:

@@ -101,7 +101,8 @@ class Trainer:
         self.reward = task_reward(spec.reward, spec.tools.workers)
         self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
         self.tools = build_tools(self.services.urls, spec.tools.search_topk, self.services.sandbox_token,
-                                 config.services.tool_retries, spec.tools.functions, spec.tools.workers)
+                                 config.services.tool_retries, spec.tools.functions, spec.tools.workers,
+                                 spec.tools.mcp)
         self.queue: asyncio.Queue[Scored | BaseException] = asyncio.Queue()
         self.room = asyncio.Condition()  # notified when groups leave the window the producer may fill
         self.step, self.sampler, self.drawn = self._resume()

@@ -44,7 +44,7 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
         spec = without_tools(spec)
     out.mkdir(parents=True, exist_ok=True)
     tools = build_tools({name: (tool_urls or {})[name] for name in spec.tools.names}, spec.tools.search_topk,
-                        functions=spec.tools.functions, workers=spec.tools.workers)
+                        functions=spec.tools.functions, workers=spec.tools.workers, mcp=spec.tools.mcp)
     fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars)
     results: dict[str, dict[str, float]] = {}
     try:

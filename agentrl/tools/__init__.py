@@ -17,11 +17,12 @@ from agentrl.config import ConfigError
 from agentrl.tools.code import CodeTool
 from agentrl.tools.function_pool import FunctionPool
 from agentrl.tools.functions import FunctionTool, function_schema, load_function
+from agentrl.tools.mcp import MCPServer, MCPTool, server_schemas
 from agentrl.tools.search import SearchTool
 from agentrl.types import ToolCall, ToolResult
 
 if TYPE_CHECKING:
-    from agentrl.task_spec import FunctionToolSpec, ToolsSpec
+    from agentrl.task_spec import FunctionToolSpec, MCPServerSpec, ToolsSpec
 
 
 @runtime_checkable
@@ -65,11 +66,12 @@ TOOL_SCHEMAS: dict[str, dict] = {
 
 def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3, sandbox_token: str | None = None,
                 max_retries: int | None = None, functions: Sequence[FunctionToolSpec] = (),
-                workers: int = 4) -> dict[str, Tool]:
+                workers: int = 4, mcp: Sequence[MCPServerSpec] = ()) -> dict[str, Tool]:
     """The task's tools by name: the clients of the services at `urls` (`python`: the sandbox, sent
     `sandbox_token`; `search`: the retriever, returning `search_topk` passages a query), each retrying a call
     its service did not take `max_retries` times (default: the client's), a list of URLs being one tool over
-    replicas of its service; and the Python `functions`, run by one pool of `workers` processes."""
+    replicas of its service; the Python `functions`, run by one pool of `workers` processes; and the tools
+    of the `mcp` servers."""
     retries = {} if max_retries is None else {"max_retries": max_retries}
     clients = {"python": lambda url: CodeTool(url, token=sandbox_token, **retries),
                "search": lambda url: SearchTool(url, topk=search_topk, **retries)}
@@ -79,7 +81,21 @@ def build_tools(urls: dict[str, str | list[str]], search_topk: int = 3, sandbox_
         pool = FunctionPool(workers)
         for i, f in enumerate(functions):
             tools[f.name] = FunctionTool(f.name, f.function, _function(i, f), pool, f.timeout_s)
+    for i, spec in enumerate(mcp):
+        server = MCPServer(spec)
+        for schema in _server_schemas(i, spec):
+            name = schema["function"]["name"]
+            if name in tools:
+                raise ConfigError(f"tools.mcp[{i}] ({spec.label}) offers a tool {name!r}, a name another tool has")
+            tools[name] = MCPTool(name, server)
     return tools
+
+
+def _server_schemas(i: int, spec: MCPServerSpec) -> list[dict]:
+    try:
+        return server_schemas(spec)
+    except ConnectionError as e:
+        raise ConfigError(f"tools.mcp[{i}]: {e}") from None
 
 
 def _function(i: int, f: FunctionToolSpec) -> Any:
@@ -100,6 +116,8 @@ def tool_schemas(spec: ToolsSpec) -> list[dict]:
             schemas.append(function_schema(fn, f.name, f.description, f.parameters))
         except ValueError as e:
             raise ConfigError(f"tools.functions[{i}]: {e}") from None
+    for i, server in enumerate(spec.mcp):
+        schemas.extend(_server_schemas(i, server))
     return schemas
 
 
