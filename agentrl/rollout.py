@@ -291,6 +291,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "tool/latency_ms/p99": _percentile(latencies, 0.99),
     }
     metrics.update({f"rollout/stop/{reason.value}": stops[reason] / n for reason in StopReason})
+    kinds = Counter(r.result.error for r in records if r.result.error is not None)  # each failure kind's share
+    metrics.update({f"tool/errors/{kind}": count / max(1, len(records)) for kind, count in kinds.items()})
     errored = Counter(t.error for t in trajectories if t.error is not None)
     metrics["rollout/errored"] = sum(errored.values()) / n
     metrics.update({f"rollout/errored/{kind}": count / n for kind, count in errored.items()})

@@ -206,6 +206,10 @@ def test_a_hermes_rollout_routes_each_call_to_its_function(tools_file, qwen_toke
     observations = [qwen_tokenizer.decode(s.token_ids) for s in t.segments if s.source == "tool"]
     assert "42" in observations[0] and "OK" in observations[1] and "bad arguments for add" in observations[2]
     assert [s.source for s in t.segments] == ["model", "tool"] * 3 + ["model"]
+    from agentrl.rollout import rollout_metrics
+
+    m = rollout_metrics([t])  # the failure counted by its kind
+    assert m["tool/error_rate"] == 1 / 3 and m["tool/errors/bad_arguments"] == 1 / 3
 
 
 def _spec(tmp_path, functions: str) -> str:
