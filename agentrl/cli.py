@@ -87,8 +87,8 @@ def tasks_validate(
             typer.echo(f"FAIL {e}", err=True)
             continue
         s = task.spec
-        tools = f"{s.tools.format} {s.tools.all_names}" if s.tools.format else "no tools"
-        tools += f" ({len(schemas)} schemas)" if s.tools.functions else ""
+        names = [schema["function"]["name"] for schema in schemas] if s.tools.format == "hermes" else s.tools.all_names
+        tools = f"{s.tools.format} {names}" if s.tools.format else "no tools"
         typer.echo(f"ok   {path}: {s.name}; {tools}; reward {s.reward.label}")
         typer.echo(f"     dataset {s.dataset.path}: {data}")
     if failed:

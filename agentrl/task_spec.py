@@ -158,7 +158,8 @@ class FunctionToolSpec(StrictModel):
 class MCPServerSpec(StrictModel):
     """An MCP server whose tools the model may call (tools/mcp.py): a command agentrl starts (stdio), or a URL."""
 
-    command: list[str] | None = Field(None, description="the command that starts it, talking MCP over stdio")
+    command: list[str] | None = Field(None, description="the command that starts it, talking MCP over stdio "
+                                      "(a program `python` is the trainer's own interpreter)")
     url: str | None = Field(None, description="a server already running (Streamable HTTP)")
     env: dict[str, str] = Field({}, description="command: its environment (default: the trainer's)")
     timeout_s: float = Field(30.0, gt=0, description="a call still unanswered after this is a timeout")

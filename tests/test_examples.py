@@ -17,7 +17,7 @@ UNITS = "examples/units.yaml"
 def test_the_units_example_validates_and_its_reward_grades_the_references(monkeypatch):
     monkeypatch.chdir(REPO)
     valid = CliRunner().invoke(app, ["tasks", "validate", UNITS])
-    assert valid.exit_code == 0 and "hermes ['convert'] (1 schemas)" in valid.output, valid.output
+    assert valid.exit_code == 0 and "hermes ['convert']" in valid.output, valid.output
     checked = CliRunner().invoke(app, ["tasks", "check", UNITS, "--field", "reference"])
     assert checked.exit_code == 0 and "│   24 │      24 │   1.0000 │" in checked.output, checked.output
 
@@ -97,3 +97,23 @@ def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwe
     sample = json.loads((tmp_path / "run/samples/step_1.jsonl").read_text().splitlines()[0])
     assert [s["source"] for s in sample["segments"]] == ["model", "tool", "model"]
     assert "5000.0" in sample["segments"][1]["text"]
+
+
+def test_the_mcp_example_serves_the_same_tool(monkeypatch):
+    from agentrl.tools import build_tools
+    from agentrl.types import ToolCall
+
+    monkeypatch.chdir(REPO)
+    valid = CliRunner().invoke(app, ["tasks", "validate", "examples/units_mcp.yaml"])
+    assert valid.exit_code == 0 and "hermes ['convert']" in valid.output, valid.output
+    spec = load_task("examples/units_mcp.yaml").spec
+    tools = build_tools({}, mcp=spec.tools.mcp)
+
+    async def go():
+        try:
+            return await tools["convert"].call(ToolCall("convert", {"value": 5, "from_unit": "km", "to_unit": "m"}))
+        finally:
+            await tools["convert"].aclose()
+
+    result = asyncio.run(go())
+    assert (result.text, result.error) == ("5000.0", None)

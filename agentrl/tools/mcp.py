@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,12 +30,25 @@ from typing import Any
 from agentrl.types import ToolCall, ToolResult
 
 
-def _params(spec: Any) -> Any:
+def _errlog() -> Any:
+    """Where a started server's stderr goes: ours, where it is a real file (not under a test runner's capture)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return open(os.devnull, "w")  # noqa: SIM115 - the server's lifetime
+
+
+def _transport(spec: Any) -> Any:
+    """The URL, or the stdio transport of the command (`python`: the trainer's own interpreter)."""
     from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
 
     if spec.url is not None:
         return spec.url
-    return StdioServerParameters(command=spec.command[0], args=list(spec.command[1:]), env=spec.env or None)
+    program = sys.executable if spec.command[0] in ("python", "python3") else spec.command[0]
+    params = StdioServerParameters(command=program, args=list(spec.command[1:]), env=spec.env or None)
+    return stdio_client(params, errlog=_errlog())
 
 
 def _text(result: Any) -> str:
@@ -60,7 +75,7 @@ class MCPServer:
         from mcp import Client
 
         try:
-            async with Client(_params(self.spec), read_timeout_seconds=self.spec.startup_timeout_s) as client:
+            async with Client(_transport(self.spec), read_timeout_seconds=self.spec.startup_timeout_s) as client:
                 self._client = client
                 self._ready.set()
                 await self._closing.wait()
