@@ -136,6 +136,7 @@ def _run(tmp_path, name: str, *sets: str):
     return asyncio.run(trainer.run()).root
 
 
+@pytest.mark.slow
 def test_max_staleness_0_trains_on_the_synchronous_trainers_batches(tmp_path):
     sync = _run(tmp_path, "sync", "trainer.steps=3")
     asynchronous = _run(tmp_path, "async", "trainer.steps=3", "trainer.mode=async", "trainer.max_staleness=0")

@@ -67,8 +67,10 @@ def _rank_main(rank: int, world: int, port: int, out: str, reshard: bool, unit: 
     os._exit(0)
 
 
-@pytest.mark.parametrize(("reshard", "unit"), [(True, "block"), (False, "block"), (True, "model")],
-                         ids=["reshard", "keep-gathered", "model-unit"])
+@pytest.mark.parametrize(("reshard", "unit"), [
+    pytest.param(True, "block", id="reshard"),
+    pytest.param(False, "block", id="keep-gathered", marks=pytest.mark.slow),
+    pytest.param(True, "model", id="model-unit", marks=pytest.mark.slow)])
 def test_two_ranks_equal_one_process_and_resume(tmp_path: Path, reshard: bool, unit: str) -> None:
     """Also with weights kept gathered across a step's micro-batches (reshard_after_forward=False), and with
     the whole model as the one FSDP unit; the one-process reference takes fsdp_unit="auto" (one unit for

@@ -68,6 +68,7 @@ def test_the_servers_tools_are_listed_with_their_schemas(spec):
     assert schemas["add"]["parameters"]["properties"]["b"]["default"] == 2
 
 
+@pytest.mark.slow
 def test_calls_go_to_the_server_and_a_dead_server_is_started_again(spec):
     tools = build_tools({}, mcp=spec.mcp)
 

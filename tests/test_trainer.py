@@ -78,6 +78,7 @@ def _step_records(run: Path, step: int) -> tuple[list[str], dict]:
     return stats, metrics
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     """Stopped after step 2 and resumed: step 3 takes the same prompts and reaches the same loss. An
     entropy bonus keeps the loss non-zero while every reward is still equal."""
