@@ -1,6 +1,6 @@
 """A reward function of the user's own, named by the task spec:
 
-    reward: {function: examples/rewards/exact.py:score, params: {case_sensitive: false}, timeout_s: 10}
+    reward: {function: examples/rewards/close_enough.py:close_enough, params: {tolerance: 0.01}, timeout_s: 10}
 
 It is called as `score(response, ground_truth, tool_calls, **params)`: `response` is what the model wrote
 (its own tokens decoded, never a tool's output, so a program printing an answer cannot earn it),

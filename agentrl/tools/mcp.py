@@ -3,7 +3,7 @@
     tools:
       format: hermes
       mcp:
-        - command: [python, examples/mcp/notes_server.py]    # started over stdio ...
+        - command: [python, examples/mcp/units_server.py]    # started over stdio ...
         - url: http://127.0.0.1:9000/mcp                      # ... or reached over Streamable HTTP
 
 agentrl connects with the `mcp` package's client, lists the server's tools and shows the model their
