@@ -32,6 +32,7 @@ from pydantic import Field
 
 from agentrl.config import StrictModel, atomic_write_text
 from agentrl.engine import Completion, Engine, Sampling, completed_stop
+from agentrl.environments import Environments, EnvironmentFailed, Episode, ToolSet
 from agentrl.task_spec import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
@@ -62,6 +63,8 @@ class TrajectoryBuilder:
         self.stop: StopReason | None = None
         self.turn = 0
         self.tool_calls = 0
+        self.calls_by_tool: Counter[str] = Counter()
+        self.error: str | None = None
         self.invalid_turns = 0
         self.void_turns = 0
         self.timings = {"generate_s": 0.0, "tool_s": 0.0}
@@ -128,15 +131,37 @@ class TrajectoryBuilder:
             return action
         return None
 
-    def add_observation(self, action: Calls | Invalid, results: Sequence[ToolResult]) -> None:
+    def refusals(self, calls: Sequence[ToolCall]) -> dict[int, ToolResult]:
+        """Count `calls` against their tools' own budgets (`budgets.max_calls_per_tool`); those past it are
+        answered here, by index, without running."""
+        refused = {}
+        for i, call in enumerate(calls):
+            self.calls_by_tool[call.name] += 1
+            limit = self.budgets.max_calls_per_tool.get(call.name)
+            if limit is not None and self.calls_by_tool[call.name] > limit:
+                refused[i] = ToolResult(f"Error: the {call.name} tool takes at most {limit} calls in this task, "
+                                        "and they are spent", error="budget")
+        return refused
+
+    def fail(self, kind: str, message: str) -> None:
+        """End the trajectory as errored (`kind`): it cannot go on, and it is not the model's doing."""
+        log.warning("trajectory %s: %s failed: %s", self.key, kind, message)
+        self.stop, self.error = StopReason.ERRORED, kind
+
+    def add_observation(self, action: Calls | Invalid, results: Sequence[ToolResult], done: bool = False) -> None:
+        """Record what the tools answered (`results`: one per call run, in order) and append the rendered
+        observation; `done`: the environment ended the episode, which ends the trajectory unappended."""
         if isinstance(action, Calls):
-            self.tool_calls += len(action.calls)
-            self.records += [ToolRecord(self.turn, c, r) for c, r in zip(action.calls, results, strict=True)]
-            obs_ids = self._fitted(action.calls, list(results))
-        else:
+            calls = action.calls[: len(results)]  # calls after the one that ended the episode did not run
+            self.tool_calls += len(calls)
+            self.records += [ToolRecord(self.turn, c, r) for c, r in zip(calls, results, strict=True)]
+            if done:
+                self.stop = StopReason.DONE
+                return
+            obs_ids = self._fitted(calls, list(results))
+        else:  # the format's parse-error policy (tools/formats.py): an invalid turn is a failed call too
             self.invalid_turns += 1
-            if action.reason == "malformed":  # a call the model wrote but we could not parse: a failed call
-                self.records.append(ToolRecord(self.turn, None, ToolResult(action.message, error="malformed")))
+            self.records.append(ToolRecord(self.turn, None, ToolResult(action.message, error="malformed")))
             obs_ids = self._encode(self.fmt.render_invalid(action, self._turn_text))
         response, context = self._room()
         # An observation that leaves the model no room to answer ends the trajectory unappended.
@@ -169,31 +194,23 @@ class TrajectoryBuilder:
         assert self.stop is not None, "finish() before the trajectory stopped"
         timings = dict(self.timings, turns=float(self.turn), invalid_turns=float(self.invalid_turns),
                        void_turns=float(self.void_turns))
-        error = "tool" if any(r.result.service_fault for r in self.records) else None
+        error = self.error or ("tool" if any(r.result.service_fault for r in self.records) else None)
         return Trajectory(self.prompt, self.segments, self.stop, self.sample, self.records, timings=timings,
                           error=error)
 
 
-async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
-    """Run one call; every failure becomes a result the model sees, never an exception."""
-    tool = tools.get(call.name)
-    if tool is None:
-        return ToolResult(f"Error: there is no tool {call.name!r}; available: {', '.join(tools)}", error="unknown_tool")
+async def _run_tools(b: TrajectoryBuilder, action: Calls | Invalid, episode: Episode) -> None:
     t0 = time.perf_counter()
-    try:
-        return await asyncio.wait_for(tool.call(call), timeout_s)
-    except TimeoutError:
-        return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="no_answer",
-                          latency_s=time.perf_counter() - t0)
-    except Exception as e:  # a tool client should not raise; if it does, the batch still goes on
-        return ToolResult(f"Error: {type(e).__name__}: {e}", error="exception", latency_s=time.perf_counter() - t0)
-
-
-async def _run_tools(b: TrajectoryBuilder, action: Calls | Invalid, tools: dict[str, Tool], timeout_s: float) -> None:
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(call_tool(c, tools, timeout_s) for c in action.calls)) if isinstance(action, Calls) else []
+    results: list[ToolResult] = []
+    done = False
+    if isinstance(action, Calls):
+        try:
+            results, done = await episode.run(action.calls, b.refusals(action.calls))
+        except EnvironmentFailed as e:
+            b.fail("environment", str(e))
+            return
     b.timings["tool_s"] += time.perf_counter() - t0
-    b.add_observation(action, results)
+    b.add_observation(action, results, done)
 
 
 async def _generate(b: TrajectoryBuilder, engine: Engine, sampling: Sampling) -> Calls | Invalid | None:
@@ -203,24 +220,40 @@ async def _generate(b: TrajectoryBuilder, engine: Engine, sampling: Sampling) ->
     return b.add_completion(completion)
 
 
-async def _run_async(b: TrajectoryBuilder, engine: Engine, tools: dict[str, Tool], base: Sampling, timeout_s: float,
+async def _reset(b: TrajectoryBuilder, episode: Episode) -> None:
+    try:
+        await episode.reset(b.prompt.metadata.get("row", {}))
+    except EnvironmentFailed as e:
+        b.fail("environment", str(e))
+
+
+async def _run_async(b: TrajectoryBuilder, engine: Engine, episode: Episode, base: Sampling,
                      on_done: Callable[[], None] | None = None) -> None:
-    while (sampling := b.next_sampling(base)) is not None:
-        action = await _generate(b, engine, sampling)
-        if action is not None:
-            await _run_tools(b, action, tools, timeout_s)
+    try:
+        await _reset(b, episode)
+        while (sampling := b.next_sampling(base)) is not None:
+            action = await _generate(b, engine, sampling)
+            if action is not None:
+                await _run_tools(b, action, episode)
+    finally:  # also when the rollout is cancelled or failed
+        await episode.close()
     if on_done is not None:
         on_done()
 
 
-async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, tools: dict[str, Tool], base: Sampling,
-                         timeout_s: float) -> None:
-    while True:
-        turn = [(b, s) for b in builders if (s := b.next_sampling(base)) is not None]
-        if not turn:
-            return
-        actions = await _all(_generate(b, engine, s) for b, s in turn)
-        await _all(_run_tools(b, a, tools, timeout_s) for (b, _), a in zip(turn, actions, strict=True) if a)
+async def _run_turn_sync(builders: list[TrajectoryBuilder], engine: Engine, episodes: list[Episode],
+                         base: Sampling) -> None:
+    try:
+        await _all(_reset(b, e) for b, e in zip(builders, episodes, strict=True))
+        while True:
+            turn = [(b, e, s) for b, e in zip(builders, episodes, strict=True)
+                    if (s := b.next_sampling(base)) is not None]
+            if not turn:
+                return
+            actions = await _all(_generate(b, engine, s) for b, _, s in turn)
+            await _all(_run_tools(b, a, e) for (b, e, _), a in zip(turn, actions, strict=True) if a)
+    finally:
+        await asyncio.gather(*(e.close() for e in episodes), return_exceptions=True)
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
@@ -239,20 +272,24 @@ async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
 
 async def rollout(prompts: Sequence[Prompt], *, engine: Engine, fmt: ToolFormat, tools: dict[str, Tool],
                   budgets: Budgets, tokenizer: Any, config: RolloutConfig,
-                  on_done: Callable[[], None] | None = None, priority: int = 0) -> list[Group]:
-    """`config.n` trajectories for every prompt, grouped by prompt, in prompt order. The engine's context
-    window, where it declares one, caps `budgets.max_context_tokens`. `on_done` is called as each
-    trajectory ends (a progress bar's tick). Every request carries `priority` (`Sampling.priority`)."""
+                  on_done: Callable[[], None] | None = None, priority: int = 0,
+                  environments: Environments | None = None) -> list[Group]:
+    """`config.n` trajectories for every prompt, grouped by prompt, in prompt order, each with its own
+    `Episode` over the shared `tools` (and an object of the task's `environments` class, where it has one).
+    The engine's context window, where it declares one, caps `budgets.max_context_tokens`. `on_done` is
+    called as each trajectory ends (a progress bar's tick). Every request carries `priority`."""
     window = getattr(engine, "max_context_tokens", None)
     if window and (budgets.max_context_tokens is None or window < budgets.max_context_tokens):
         budgets = budgets.model_copy(update={"max_context_tokens": window})
     base = Sampling(max_tokens=1, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                     priority=priority)
     builders = [TrajectoryBuilder(p, k, fmt, budgets, tokenizer, config.seed) for p in prompts for k in range(config.n)]
+    shared = ToolSet(tools, config.tool_timeout_s)
+    episodes = [Episode(shared, environments) for _ in builders]
     if config.mode == "async":
-        await _all(_run_async(b, engine, tools, base, config.tool_timeout_s, on_done) for b in builders)
+        await _all(_run_async(b, engine, e, base, on_done) for b, e in zip(builders, episodes, strict=True))
     else:
-        await _run_turn_sync(builders, engine, tools, base, config.tool_timeout_s)
+        await _run_turn_sync(builders, engine, episodes, base)
         for _ in builders if on_done is not None else ():
             on_done()
     trajectories = [b.finish() for b in builders]

@@ -160,10 +160,31 @@ class Task:
 
     @functools.cached_property
     def tool_schemas(self) -> list[dict]:
-        """The schemas of the task's tools, as the model sees them in its system prompt (hermes)."""
+        """The schemas of the task's tools, as the model sees them in its system prompt (hermes): the shared
+        tools', then its environment's."""
         from agentrl.tools import tool_schemas
 
-        return tool_schemas(self.spec.tools)
+        envs = self.environments
+        return tool_schemas(self.spec.tools) + (envs.schemas if envs is not None else [])
+
+    @functools.cached_property
+    def environments(self) -> Any:
+        """The task's environment class (`environments.Environments`), or None; a ConfigError naming
+        `tools.environment` when it cannot be loaded or described to the model."""
+        from agentrl.environments import Environments
+
+        spec = self.spec.tools.environment
+        if spec is None:
+            return None
+        try:
+            envs = Environments(spec)
+            envs.schemas  # noqa: B018 - checks every tool method's signature now, not at the first call
+        except ValueError as e:
+            raise ConfigError(f"{self.source}: tools.environment.class: {e}") from None
+        if clash := set(envs.names) & set(self.spec.tools.all_names):
+            raise ConfigError(f"{self.source}: tools.environment: its tools {sorted(clash)} have the names of "
+                              "other tools of the task")
+        return envs
 
     def render(self, row: Row, tokenizer: Any) -> Prompt:
         text = self.render_text(row, tokenizer)
@@ -177,7 +198,8 @@ class Task:
             token_ids=tuple(ids),
             question=row.question,
             ground_truth=row.ground_truth,
-            metadata={"task": self.spec.name},
+            # An environment's reset reads the whole row; other tasks carry no more than they need.
+            metadata={"task": self.spec.name} | ({"row": row.fields} if self.spec.tools.environment else {}),
         )
 
     def prompts(self, tokenizer: Any) -> Iterator[Prompt]:

@@ -12,13 +12,13 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.config import StrictModel
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-TOOL_FORMATS = ("torl", "search_r1", "hermes")
-# The tool each single-tool format drives; hermes may drive any of them.
+TOOL_FORMATS = ("torl", "search_r1", "tags", "hermes")
+# The tool each single-tool format drives; tags drives python and search together, hermes any tool.
 FORMAT_TOOL = {"torl": "python", "search_r1": "search"}
 KNOWN_TOOLS = ("python", "search")
 
@@ -176,13 +176,35 @@ class MCPServerSpec(StrictModel):
         return self
 
 
+class EnvironmentSpec(StrictModel):
+    """A stateful environment (environments.py): one object of the class per trajectory, its methods the tools."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              serialize_by_alias=True)  # written back as `class`, as users write it
+
+    class_: str = Field(alias="class", description="'path/to/file.py:Name' or 'package.module:Name', a subclass "
+                                                   "of agentrl.Environment")
+    params: dict[str, Any] = Field({}, description="the keyword arguments each object is made with")
+    timeout_s: float = Field(30.0, gt=0, description="reset, a step or close still running after this errors "
+                                                     "the trajectory")
+
+    @model_validator(mode="after")
+    def _ref(self) -> EnvironmentSpec:
+        module, sep, attr = self.class_.rpartition(":")
+        if not (sep and module and attr):
+            raise ValueError(f"class {self.class_!r}: expected 'path/to/file.py:Name' or 'package.module:Name'")
+        return self
+
+
 class ToolsSpec(StrictModel):
-    format: Literal["torl", "search_r1", "hermes"] | None = None  # None: no tools, single-turn
+    format: Literal["torl", "search_r1", "tags", "hermes"] | None = None  # None: no tools, single-turn
     names: list[Literal["python", "search"]] = []
     search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
     functions: list[FunctionToolSpec] = Field([], description="Python functions as tools (format hermes)")
     workers: int = Field(4, ge=1, description="processes that run the function tools' calls")
     mcp: list[MCPServerSpec] = Field([], description="MCP servers whose tools the model may call (format hermes)")
+    environment: EnvironmentSpec | None = Field(None, description="a class whose methods are the tools, one "
+                                                                  "object per trajectory (format hermes)")
 
     @property
     def all_names(self) -> list[str]:
@@ -191,15 +213,18 @@ class ToolsSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ToolsSpec:
-        if self.format is None and (self.all_names or self.mcp):
-            raise ValueError(f"tools {self.all_names or 'of MCP servers'} need a tool format: one of "
-                             f"{', '.join(TOOL_FORMATS)}")
-        custom = self.functions or self.mcp
+        if self.format is None and (self.all_names or self.mcp or self.environment):
+            raise ValueError(f"tools {self.all_names or 'of MCP servers or an environment'} need a tool format: "
+                             f"one of {', '.join(TOOL_FORMATS)}")
+        custom = self.functions or self.mcp or self.environment
         if self.format in FORMAT_TOOL and (self.names != [FORMAT_TOOL[self.format]] or custom):
             raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]"
-                             + ("; function and MCP tools need format hermes" if custom else ""))
-        if self.format == "hermes" and not (self.all_names or self.mcp):
-            raise ValueError("format 'hermes' needs at least one tool, in names, functions or mcp")
+                             + ("; function, MCP and environment tools need format hermes" if custom else ""))
+        if self.format == "tags" and (custom or not self.names):
+            raise ValueError("format 'tags' drives the built-in tools python and search (names: [python, search] "
+                             "or either one); function, MCP and environment tools need format hermes")
+        if self.format == "hermes" and not (self.all_names or self.mcp or self.environment):
+            raise ValueError("format 'hermes' needs at least one tool, in names, functions, mcp or environment")
         seen = set()
         for name in self.all_names:
             if name in seen:
@@ -261,6 +286,9 @@ class Budgets(StrictModel):
     max_context_tokens: int | None = Field(default=None, ge=1)  # prompt + response
     observation_max_chars: int | None = Field(default=None, ge=2)  # ToRL: keep head and tail halves
     observation_max_tokens: int | None = Field(default=None, ge=1)  # tool output cut to fit (rollout._fitted)
+    # Calls each named tool may take in one trajectory, within max_tool_calls; a call past its tool's share
+    # is answered with an error observation (tool/errors/budget) and the model goes on.
+    max_calls_per_tool: dict[str, int] = {}
 
 
 class TaskSpec(StrictModel):
@@ -282,7 +310,13 @@ class TaskSpec(StrictModel):
                 f"budgets.max_turns ({b.max_turns}) must exceed max_tool_calls ({b.max_tool_calls}): "
                 "the model needs a turn after its last tool call to answer"
             )
-        if b.observation_max_chars is not None and self.tools.format != "torl":
+        for name, count in b.max_calls_per_tool.items():
+            if count < 1:
+                raise ValueError(f"budgets.max_calls_per_tool.{name}: got {count}; expected at least 1")
+            if name not in self.tools.all_names and not (self.tools.mcp or self.tools.environment):
+                raise ValueError(f"budgets.max_calls_per_tool names {name!r}, which is not a tool of this task; "
+                                 f"its tools: {', '.join(self.tools.all_names) or 'none'}")
+        if b.observation_max_chars is not None and self.tools.format not in ("torl", "tags"):
             raise ValueError(f"budgets.observation_max_chars is ToRL's head-and-tail cut; the {self.tools.format} "
                              "format does not apply it: use budgets.observation_max_tokens")
         if b.max_context_tokens and b.max_prompt_tokens and b.max_prompt_tokens >= b.max_context_tokens:

@@ -37,7 +37,7 @@ from agentrl.engine.versioned import VersionedEngine
 from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
 from agentrl.prompt_order import PromptSampler
-from agentrl.rewards import score, task_reward
+from agentrl.rewards import close_reward, score, task_reward
 from agentrl.rollout import ErroredSteps, dump_trajectories, rollout, rollout_metrics
 from agentrl.run_config import RunConfig
 from agentrl.run_dir import MetricsLog, RunDir
@@ -96,8 +96,9 @@ class Trainer:
         self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s,
                                               revive=revive)
         self.learning = asyncio.Lock()  # held while the learner's weights change
-        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer,
+        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer, names=spec.tools.names,
                                 observation_max_chars=spec.budgets.observation_max_chars)
+        self.environments = Task(spec, source="task").environments  # the task's environment class, if any
         self.reward = task_reward(spec.reward, spec.tools.workers)
         self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
         self.tools = build_tools(self.services.urls, spec.tools.search_topk, self.services.sandbox_token,
@@ -131,6 +132,7 @@ class Trainer:
         finally:
             for tool in self.tools.values():
                 await tool.aclose()
+            close_reward(self.reward)
         if self.config.trainer.export:
             self.learner.export(str(self.run_dir.export), self.tokenizer)
         return self.run_dir
@@ -195,7 +197,7 @@ class Trainer:
             [group] = await rollout([prompt], engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
                                     budgets=self.config.task.budgets, tokenizer=self.tokenizer,
                                     config=self.config.rollout.model_copy(update={"seed": seed}),
-                                    priority=index // t.prompts_per_step)
+                                    priority=index // t.prompts_per_step, environments=self.environments)
             await score(group.trajectories, self.reward, self.tokenizer)
             await self.queue.put((index, epoch, prompt, group))
         except asyncio.CancelledError:
@@ -325,7 +327,8 @@ class Trainer:
         spec = self.config.eval_task or self.config.task
         result = await evaluate(self.eval_prompts, engine=self.rollout_engine, fmt=self.fmt, tools=self.tools,
                                 budgets=spec.budgets, tokenizer=self.tokenizer, reward=self.reward, n=t.eval_n,
-                                temperature=t.eval_temperature, seed=t.seed, answer_format=answer_format(spec.reward.name))
+                                temperature=t.eval_temperature, seed=t.seed, answer_format=answer_format(spec.reward.name),
+                                environments=self.environments)
         return result.metrics | {"timing/validation": time.perf_counter() - start}
 
 

@@ -82,6 +82,8 @@ class StopReason(str, enum.Enum):
     TURN_LENGTH = "turn_length"  # one turn reached budgets.max_tokens_per_turn without stopping
     RESPONSE_BUDGET = "response_budget"  # the response reached budgets.max_response_tokens
     CONTEXT_LIMIT = "context_limit"  # prompt + response reached budgets.max_context_tokens
+    DONE = "done"  # the task's environment ended the episode (environments.py)
+    ERRORED = "errored"  # it could not go on: its environment failed (the trajectory is errored)
 
 
 @dataclass

@@ -313,7 +313,7 @@ def test_grading_inside_a_running_event_loop() -> None:
 
 
 def test_registry() -> None:
-    assert set(REWARDS) == {"math", "qa_em", "qa_f1"}
+    assert set(REWARDS) == {"math", "qa_em", "qa_f1", "environment"}
     assert isinstance(build_reward("math", {}), MathReward)
     assert isinstance(build_reward("qa_em", {"format_score": 0.1}), QAExactMatch)
     assert isinstance(build_reward("qa_f1", {}), QAF1)
@@ -322,7 +322,7 @@ def test_registry() -> None:
 
 
 def test_registry_errors() -> None:
-    with pytest.raises(ValueError, match=r"^unknown reward 'x'; expected one of: math, qa_em, qa_f1$"):
+    with pytest.raises(ValueError, match=r"^unknown reward 'x'; expected one of: math, qa_em, qa_f1, environment$"):
         build_reward("x", {})
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         params_model("nope")

@@ -177,6 +177,8 @@ def test_torl_malformed_call_is_an_observation(tok):
     _, (t,) = do_rollout(tok, TorlFormat(), scripts, TORL_BUDGETS, {"python": tool})
     assert tool.calls == [] and t.timings["invalid_turns"] == 1
     assert "no complete ```python block" in tok.decode(t.segments[1].token_ids)
+    # One parse-error policy: the invalid turn is a failed call of kind malformed, with no call parsed.
+    assert [(r.call, r.result.error) for r in t.tool_records] == [(None, "malformed")]
     assert t.stop_reason == StopReason.EOS and t.loss_mask.count(0) == len(t.segments[1].token_ids)
 
 
@@ -204,7 +206,8 @@ def test_search_r1_invalid_action_then_continue(tok):
     scripts = {"p0": ["I just talk.</search>", "<answer>Paris</answer>"]}
     _, (t,) = do_rollout(tok, SearchR1Format(), scripts, Budgets(max_turns=3, max_tool_calls=2), {"search": search_tool()})
     assert tok.decode(t.segments[1].token_ids) == SEARCH_R1_INVALID
-    assert t.stop_reason == StopReason.ANSWERED and t.tool_records == []
+    assert t.stop_reason == StopReason.ANSWERED and t.timings["invalid_turns"] == 1
+    assert [(r.call, r.result.error) for r in t.tool_records] == [(None, "malformed")]
 
 
 @pytest.mark.parametrize("ending", [EOS, ""])  # "": the engine stopped without emitting the EOS token

@@ -124,11 +124,12 @@ class EvalResult:
 async def evaluate(prompts: Sequence[Prompt], *, engine: Any, fmt: ToolFormat, tools: dict[str, Tool],
                    budgets: Budgets, tokenizer: Any, reward: Reward, n: int = 1, temperature: float = 0.0,
                    seed: int = 0, answer_format: str = "boxed", extra: Reward | None = None, prefix: str = "val/",
-                   on_done: Any = None) -> EvalResult:
-    """`n` trajectories per prompt (greedy at temperature 0), scored, as records and their metrics."""
+                   on_done: Any = None, environments: Any = None) -> EvalResult:
+    """`n` trajectories per prompt (greedy at temperature 0), scored, as records and their metrics;
+    `environments`: the task's environment class (environments.py), if it has one."""
     config = RolloutConfig(n=n, temperature=temperature, seed=seed)
     groups = await rollout(prompts, engine=engine, fmt=fmt, tools=tools, budgets=budgets, tokenizer=tokenizer,
-                           config=config, on_done=on_done)
+                           config=config, on_done=on_done, environments=environments)
     trajectories = [t for g in groups for t in g.trajectories]
     await score(trajectories, reward, tokenizer)
     records = [sample_record(t, tokenizer, answer_format, extra) for t in trajectories]

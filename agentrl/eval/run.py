@@ -19,7 +19,7 @@ from typing import Any
 from agentrl.config import ConfigError, atomic_write_text
 from agentrl.eval.datasets import resolve
 from agentrl.eval.evaluate import answer_format, evaluate, summarize
-from agentrl.rewards import build_reward, task_reward
+from agentrl.rewards import build_reward, close_reward, task_reward
 from agentrl.run_dir import append_jsonl
 from agentrl.task import Task
 from agentrl.task_spec import Budgets, TaskSpec, ToolsSpec
@@ -29,7 +29,8 @@ CHUNK_PROMPTS = 64  # prompts per rollout call: a resumed run loses at most one 
 
 def without_tools(spec: TaskSpec) -> TaskSpec:
     """The same task with the tools off: no tool format, one turn (ToRL's prompt text is kept as is)."""
-    budgets = spec.budgets.model_dump() | {"max_turns": 1, "max_tool_calls": 0, "observation_max_chars": None}
+    budgets = spec.budgets.model_dump() | {"max_turns": 1, "max_tool_calls": 0, "observation_max_chars": None,
+                                           "max_calls_per_tool": {}}
     return spec.model_copy(update={"tools": ToolsSpec(), "budgets": Budgets(**budgets)})
 
 
@@ -45,8 +46,11 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
     out.mkdir(parents=True, exist_ok=True)
     tools = build_tools({name: (tool_urls or {})[name] for name in spec.tools.names}, spec.tools.search_topk,
                         functions=spec.tools.functions, workers=spec.tools.workers, mcp=spec.tools.mcp)
-    fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars)
+    fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars,
+                       names=spec.tools.names)
+    environments = Task(spec, source="task").environments
     results: dict[str, dict[str, float]] = {}
+    reward = task_reward(spec.reward, spec.tools.workers)
     try:
         task_format = answer_format(spec.reward.name)
         for bench, dataset in resolve(benchmarks, data_dir, limit, spec.dataset):
@@ -61,14 +65,13 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
             path = out / f"{bench.name}.samples.jsonl"
             records = _complete(path, n)
             todo = [p for p in prompts if p.id not in {r["prompt_id"] for r in records}]
-            reward = task_reward(spec.reward, spec.tools.workers)
             extra = build_reward("qa_f1", {}) if bench.kind == "qa" else None
             bar = _Bar(bench.name, len(prompts) * n, len(records)) if progress else None
             for i in range(0, len(todo), CHUNK_PROMPTS):
                 result = await evaluate(todo[i:i + CHUNK_PROMPTS], engine=engine, fmt=fmt, tools=tools,
                                         budgets=spec.budgets, tokenizer=tokenizer, reward=reward, n=n,
                                         temperature=temperature, seed=seed, answer_format=task_format,
-                                        extra=extra, on_done=bar.tick if bar else None)
+                                        extra=extra, on_done=bar.tick if bar else None, environments=environments)
                 append_jsonl(path, [{"benchmark": bench.name, **r} for r in result.records])
                 records += result.records
             if bar:
@@ -79,6 +82,7 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
     finally:
         for tool in tools.values():
             await tool.aclose()
+        close_reward(reward)
     config = {"benchmarks": benchmarks, "n": n, "temperature": temperature, "seed": seed, "no_tools": no_tools,
               "limit": limit, "task": spec.model_dump(mode="json")}
     atomic_write_text(out / "results.json", json.dumps({"config": config, "results": results}, indent=1) + "\n")

@@ -5,7 +5,8 @@ A reward is called once per trajectory with the response text only, never the pr
 `reward(response, ground_truth, *, tool_records=()) -> RewardResult` (a user's function: awaitable), the
 score plus named sub-scores (`correct`, `has_answer`, ...) that the trainer logs as `reward/<name>`.
 `ground_truth` is one answer or a list of acceptable ones. math.py grades boxed math answers (TORL); qa.py
-scores `<answer>` tags by exact match or F1 (Search-R1). Each built-in reward class carries its parameters
+scores `<answer>` tags by exact match or F1 (Search-R1); `environment` sums the rewards a task's environment
+gave its steps (agentrl/environments.py), kept in the tool records. Each built-in reward class carries its parameters
 as a nested `Params` model, so task.py validates them with `params_model(name)` before anything is built.
 """
 
@@ -30,7 +31,23 @@ class Reward(Protocol):
                  tool_records: Sequence[ToolRecord] = ()) -> RewardResult | Awaitable[RewardResult]: ...
 
 
-REWARDS: dict[str, type] = {"math": MathReward, "qa_em": QAExactMatch, "qa_f1": QAF1}
+class EnvironmentReward:
+    """The sum of the rewards the task's environment gave the trajectory's steps (0 when it gave none), with
+    the number of steps that gave one as the part `rewarded_steps`."""
+
+    class Params(StrictModel):
+        pass
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+    def __call__(self, response: str, ground_truth: str | list[str], *,
+                 tool_records: Sequence[ToolRecord] = ()) -> RewardResult:
+        given = [r.result.metadata["reward"] for r in tool_records if "reward" in r.result.metadata]
+        return RewardResult(float(sum(given)), {"rewarded_steps": float(len(given))})
+
+
+REWARDS: dict[str, type] = {"math": MathReward, "qa_em": QAExactMatch, "qa_f1": QAF1, "environment": EnvironmentReward}
 
 
 def params_model(name: str) -> type[StrictModel]:
@@ -59,6 +76,13 @@ def task_reward(spec: Any, workers: int = 2) -> Reward:
     if spec.function is not None:
         return FunctionReward(spec.function, spec.params, spec.timeout_s, workers)
     return build_reward(spec.name, spec.params)
+
+
+def close_reward(reward: Reward) -> None:
+    """Release what a reward holds (a user's function's worker processes); built-in rewards hold nothing."""
+    close = getattr(reward, "close", None)
+    if close is not None:
+        close()
 
 
 async def score(trajectories: Iterable[Trajectory], reward: Reward, tokenizer: Any) -> None:

@@ -5,7 +5,8 @@
 It is called as `score(response, ground_truth, tool_calls, **params)`: `response` is what the model wrote
 (its own tokens decoded, never a tool's output, so a program printing an answer cannot earn it),
 `ground_truth` the row's answer (a string or a list of them), `tool_calls` the trajectory's calls as
-`{"name", "arguments", "output", "error"}` dicts. It returns a number (the score) or a dict with a
+`{"name", "arguments", "output", "error"}` dicts (with the `reward` an environment gave the step, where
+it gave one). It returns a number (the score) or a dict with a
 `score` and any other named parts, each logged as `reward/<part>`. It runs in a worker process
 (tools/function_pool.py) with a time limit; an exception, a time-out or a return of another shape errors
 the trajectory (`rollout/errored/reward`): it is left out of the loss and counted, and the run goes on.
@@ -32,7 +33,9 @@ class FunctionReward:
     async def __call__(self, response: str, ground_truth: str | list[str], *,
                        tool_records: list[ToolRecord] = ()) -> RewardResult:
         calls = [{"name": r.call.name if r.call else None, "arguments": r.call.arguments if r.call else None,
-                  "output": r.result.text, "error": r.result.error} for r in tool_records]
+                  "output": r.result.text, "error": r.result.error}
+                 | ({"reward": r.result.metadata["reward"]} if "reward" in r.result.metadata else {})
+                 for r in tool_records]
         kwargs = {"response": response, "ground_truth": ground_truth, "tool_calls": calls, **self.params}
         answer = await self.pool.call(self.ref, kwargs, self.timeout_s, as_text=False)
         if answer.error is not None:

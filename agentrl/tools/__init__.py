@@ -9,7 +9,9 @@ functions.py: the task's own Python functions, run by function_pool.py's worker 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -119,6 +121,21 @@ def tool_schemas(spec: ToolsSpec) -> list[dict]:
     for i, server in enumerate(spec.mcp):
         schemas.extend(_server_schemas(i, server))
     return schemas
+
+
+async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
+    """Run one call; every failure becomes a result the model sees, never an exception."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(f"Error: there is no tool {call.name!r}; available: {', '.join(tools)}", error="unknown_tool")
+    t0 = time.perf_counter()
+    try:
+        return await asyncio.wait_for(tool.call(call), timeout_s)
+    except TimeoutError:
+        return ToolResult(f"Error: the tool did not answer within {timeout_s:g}s", error="no_answer",
+                          latency_s=time.perf_counter() - t0)
+    except Exception as e:  # a tool client should not raise; if it does, the batch still goes on
+        return ToolResult(f"Error: {type(e).__name__}: {e}", error="exception", latency_s=time.perf_counter() - t0)
 
 
 class Replicas:

@@ -7,12 +7,20 @@ observation text, which the rollout tokenizes on its own and appends as a masked
 also says whether a turn is void (`is_void`, SimpleTIR's void turn): its text holds neither a tool call nor
 a final answer, as written in the format's syntax, whether or not the call parses.
 
+One parse-error policy for every format: a turn that asks for a tool in a way the format cannot run (ToRL's
+```output without a complete code block, a Search-R1 stop string without its tag pair, Hermes JSON that
+does not parse) is `Invalid`: the model sees the format's error message as the observation and goes on;
+the rollout counts the turn in `rollout/invalid_turns` and records it as a failed call of kind
+`malformed` (`tool/errors/malformed`), whatever the format.
+
 - `TorlFormat` (ToRL): the model writes a ```python block and then "```output"; we run the last python
   block of the turn and append "\\n{output}\\n```\\n". Output past 256 characters keeps the first and last
   128 around "..."; an error keeps only its last line (ToRL's post-processing).
 - `SearchR1Format` (Search-R1): `<search> q </search>` runs the retriever, `<answer> a </answer>` ends
   the trajectory, a turn stopped at a stop string without a parsable action gets Search-R1's invalid-action
   message, and a turn that ended on EOS without an action ends the trajectory.
+- `TagsFormat`: ToRL's code blocks and Search-R1's tags in one format, for a task whose model may both
+  compute and search; the stop string that ended the turn says which tool it called.
 - `HermesFormat` (Hermes / Qwen JSON): `<tool_call>{"name", "arguments"}</tool_call>` blocks in an
   assistant message that ends with EOS; tool messages are rendered by the tokenizer's chat template, and
   only the part appended after the model's EOS is tokenized (see `HermesFormat.render`).
@@ -212,6 +220,48 @@ class SearchR1Format(ToolFormat):
         return _QA_ANSWER.search(text) is not None  # a complete pair, as parse and rewards/qa.py read it
 
 
+# --- ToRL and Search-R1 together ----------------------------------------------------------------------
+
+
+class TagsFormat(ToolFormat):
+    """ToRL's ```python blocks (the `python` tool) and Search-R1's `<search>` tags (the `search` tool) in one
+    format, for the tools in `names`; `<answer>` ends the trajectory where `search` is among them, as does a
+    turn that ends on EOS. Each part keeps its own syntax and observation: the stop string that ended the
+    turn picks the part that parses it and renders its result."""
+
+    name = "tags"
+
+    def __init__(self, names: list[str], observation_max_chars: int | None = 256):
+        if not names or not set(names) <= {"python", "search"}:
+            raise ValueError(f"the tags format drives the tools python and search; got {names}")
+        self.parts: dict[str, ToolFormat] = {}
+        if "python" in names:
+            self.parts["python"] = TorlFormat(observation_max_chars)
+        if "search" in names:
+            self.parts["search"] = SearchR1Format()
+        self.stop = tuple(s for part in self.parts.values() for s in part.stop)
+
+    def _part(self, stop: str | None) -> ToolFormat | None:
+        return next((p for p in self.parts.values() if stop in p.stop), None)
+
+    def parse(self, text: str, stop: str | None) -> Action:
+        part = self._part(stop)
+        return None if part is None else part.parse(text, stop)
+
+    def render(self, calls: list[ToolCall], results: list[ToolResult], turn_text: str) -> str:
+        return self.parts[calls[0].name].render(calls, results, turn_text)
+
+    def render_invalid(self, invalid: Invalid, turn_text: str) -> str:
+        part = self.parts["python"] if invalid.reason == "no_code" else self.parts["search"]
+        return part.render_invalid(invalid, turn_text)
+
+    def has_call(self, text: str) -> bool:
+        return any(p.has_call(text) for p in self.parts.values())
+
+    def has_answer(self, text: str) -> bool:
+        return any(p.has_answer(text) for p in self.parts.values())
+
+
 # --- Hermes / Qwen JSON tool calls --------------------------------------------------------------------
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -314,16 +364,19 @@ class NoTools(ToolFormat):
 
 
 def build_format(name: str | None, *, tokenizer: Any = None, observation_max_chars: int | None = None,
-                 tool_schemas: list[dict] | None = None) -> ToolFormat:
-    """The format a task spec's `tools.format` names; None: the task has no tools."""
+                 tool_schemas: list[dict] | None = None, names: list[str] | None = None) -> ToolFormat:
+    """The format a task spec's `tools.format` names, over its built-in tools `names` (the tags format's
+    parts); None: the task has no tools."""
     if name is None:
         return NoTools()
     if name == "torl":
         return TorlFormat(observation_max_chars if observation_max_chars is not None else 256)
     if name == "search_r1":
         return SearchR1Format()
+    if name == "tags":
+        return TagsFormat(names or [], observation_max_chars if observation_max_chars is not None else 256)
     if name == "hermes":
         if tokenizer is None:
             raise ValueError("the hermes format renders tool messages with a tokenizer's chat template")
         return HermesFormat(tokenizer, tool_schemas)
-    raise ValueError(f"unknown tool format {name!r}; expected one of: torl, search_r1, hermes")
+    raise ValueError(f"unknown tool format {name!r}; expected one of: torl, search_r1, tags, hermes")

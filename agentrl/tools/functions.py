@@ -150,6 +150,12 @@ def function_schema(fn: Callable[..., Any], name: str, description: str | None =
                                              "parameters": parameters}}
 
 
+def bad_arguments(name: str, e: ValidationError) -> str:
+    """The observation for a call to tool `name` whose arguments did not validate: each problem by its key."""
+    problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in e.errors())
+    return f"Error: bad arguments for {name}: {problems}"
+
+
 def observation(value: Any) -> str:
     """What the model sees of a returned value: a string as it is, any other JSON value as JSON."""
     if isinstance(value, str):
@@ -169,10 +175,7 @@ class FunctionTool:
         try:
             kwargs = self.arguments.model_validate(call.arguments).model_dump()
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}"
-                                 for err in e.errors())
-            return ToolResult(f"Error: bad arguments for {self.name}: {problems}", error="bad_arguments",
-                              latency_s=time.perf_counter() - start)
+            return ToolResult(bad_arguments(self.name, e), error="bad_arguments", latency_s=time.perf_counter() - start)
         result = await self.pool.call(self.ref, kwargs, self.timeout_s)
         return ToolResult(result.text, result.error, latency_s=time.perf_counter() - start, metadata=result.metadata)
 
