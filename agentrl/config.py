@@ -166,7 +166,7 @@ def _annotation_at(model_cls: type[BaseModel], path: list[str], source: str) -> 
         models = [a for a in _unwrap(current) if _is_model(a)]
         mappings = [a for a in _unwrap(current) if typing.get_origin(a) in (dict, Mapping)]
         if models:
-            fields = {k: f for m in models for k, f in m.model_fields.items()}
+            fields = {f.alias or k: f for m in models for k, f in m.model_fields.items()}  # as a YAML file writes it
             if key not in fields:
                 where = ".".join(path[: i + 1])
                 raise ConfigError(f"{source}: unknown key {where!r}; {_expected_keys(key, fields)}")

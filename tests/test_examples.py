@@ -117,3 +117,52 @@ def test_the_mcp_example_serves_the_same_tool(monkeypatch):
 
     result = asyncio.run(go())
     assert (result.text, result.error) == ("5000.0", None)
+
+
+def test_the_herds_example_routes_each_call_to_its_service(tmp_path, monkeypatch, tiny_tokenizer):
+    """The tags format over the real sandbox and retriever (loopback HTTP), on data the example writes: the
+    search goes to the retriever, the code to the sandbox, and the answer built from both is graded right."""
+    from agentrl.rewards import score, task_reward
+    from agentrl.rollout import RolloutConfig, rollout
+    from agentrl.run_config import ServicesConfig
+    from agentrl.services import Services
+    from agentrl.tools import build_tools
+    from agentrl.tools.formats import build_format
+    from agentrl.tools.functions import load_function
+
+    monkeypatch.chdir(REPO)
+    data = load_function("examples/herds.py:prepare")(tmp_path / "herds", people=60)
+    task = load_task("examples/herds.yaml", [f"dataset.path={data}/train.jsonl"])
+    spec, tok = task.spec, tiny_tokenizer
+    row = task.rows()[0]
+    name = row.question.split(" sells ")[0]
+    price = int(row.question.split(" for ")[1].split()[0])
+    size = next(int(line.split("herd of ")[1].split()[0]) for line in (data / "corpus.jsonl").read_text().splitlines()
+                if line.startswith(f'{{"id": "{name}"'))
+    prompt = task.render(row, tok)
+    turns = [f"<search> {name} </search>", f"```python\nprint({size} * {price})\n```\n```output",
+             f"<answer> {size * price} </answer>"]
+    config = ServicesConfig(retriever_index=str(data / "index"), sandbox_args=["--workers", "1"])
+    with Services(spec.tools.names, config, tmp_path / "logs") as services:
+        tools = build_tools(services.urls, spec.tools.search_topk, services.sandbox_token)
+
+        async def go():
+            from tests.test_rollout import ScriptedEngine
+
+            try:
+                [group] = await rollout([prompt], engine=ScriptedEngine(tok, {prompt.id: turns}), tools=tools,
+                                        fmt=build_format("tags", names=spec.tools.names), budgets=spec.budgets,
+                                        tokenizer=tok, config=RolloutConfig(n=1))
+                await score(group.trajectories, task_reward(spec.reward), tok)
+                return group.trajectories[0]
+            finally:
+                for tool in tools.values():
+                    await tool.aclose()
+
+        t = asyncio.run(go())
+    search, python = t.tool_records
+    assert (search.call.name, python.call.name) == ("search", "python")
+    assert f"{name} was born in" in search.result.text and f"herd of {size} goats" in search.result.text
+    assert python.result.text.strip() == str(size * price) == row.ground_truth
+    assert t.reward.score == 1.0 and t.error is None and [s.source for s in t.segments] == [
+        "model", "tool", "model", "tool", "model"]

@@ -21,6 +21,7 @@ from agentrl.tools.formats import (
     SEARCH_R1_INVALID,
     HermesFormat,
     SearchR1Format,
+    TagsFormat,
     TorlFormat,
     last_python_block,
 )
@@ -237,6 +238,49 @@ def test_stop_string_ending_inside_a_token_keeps_the_whole_token(qwen_tokenizer)
     assert t.stop_reason == StopReason.ANSWERED
     # the newlines that token carried count toward Search-R1's "</search>\n\n<information>": none doubled
     assert "</search>\n\n<information>" in tok.decode(t.response_ids)
+
+
+# --- ToRL and Search-R1 together (tags) ------------------------------------------------------------------
+
+
+def test_tags_routes_each_call_to_its_tool_and_renders_it_in_its_own_syntax(tok):
+    scripts = {"p0": ["<search> herd of Ana </search>", "```python\nprint(2 + 3)\n```\n```output",
+                      "<answer> 5 </answer> never seen"]}
+    python, search = FunctionTool("python", run_python), search_tool()
+    budgets = Budgets(max_turns=4, max_tool_calls=3, max_response_tokens=400)
+    _, (t,) = do_rollout(tok, TagsFormat(["python", "search"]), scripts, budgets, {"python": python, "search": search})
+    assert [c.arguments for c in search.calls] == [{"query": "herd of Ana"}]
+    assert [c.arguments for c in python.calls] == [{"code": "print(2 + 3)\n"}]
+    assert [r.call.name for r in t.tool_records] == ["search", "python"]
+    assert tok.decode(t.segments[1].token_ids).startswith("\n\n<information>Doc 1")  # Search-R1's observation
+    assert tok.decode(t.segments[3].token_ids) == "\n5\n```\n"  # ToRL's
+    assert t.stop_reason == StopReason.ANSWERED and tok.decode(t.segments[4].token_ids).endswith("</answer>")
+
+
+def test_tags_parse_errors_follow_the_one_policy(tok):
+    fmt = TagsFormat(["python", "search"])
+    assert fmt.stop == ("```output", "</search>", "</answer>")
+    scripts = {"p0": ["no code\n```output", "talk</search>", "<answer>5</answer>"]}
+    budgets = Budgets(max_turns=4, max_tool_calls=3, max_response_tokens=400)
+    _, (t,) = do_rollout(tok, fmt, scripts, budgets, {"python": FunctionTool("python", run_python),
+                                                      "search": search_tool()})
+    assert "no complete ```python block" in tok.decode(t.segments[1].token_ids)
+    assert tok.decode(t.segments[3].token_ids) == SEARCH_R1_INVALID
+    assert [(r.call, r.result.error) for r in t.tool_records] == [(None, "malformed"), (None, "malformed")]
+    assert t.timings["invalid_turns"] == 2 and t.stop_reason == StopReason.ANSWERED
+    assert TagsFormat(["python"]).stop == ("```output",)  # python alone: the answer is a \boxed{} at EOS
+
+
+def test_a_tool_past_its_own_budget_is_answered_without_running(tok):
+    scripts = {"p0": ["```python\nprint(1)\n```\n```output", "```python\nprint(2)\n```\n```output",
+                      "<search> x </search>", "<answer> 1 </answer>"]}
+    python, search = FunctionTool("python", run_python), search_tool()
+    budgets = Budgets(max_turns=5, max_tool_calls=4, max_response_tokens=500, max_calls_per_tool={"python": 1})
+    _, (t,) = do_rollout(tok, TagsFormat(["python", "search"]), scripts, budgets, {"python": python, "search": search})
+    assert len(python.calls) == 1 and len(search.calls) == 1  # the second python call never ran
+    assert [r.result.error for r in t.tool_records] == [None, "budget", None]
+    assert "at most 1 calls" in tok.decode(t.segments[3].token_ids) and t.stop_reason == StopReason.ANSWERED
+    assert rollout_metrics([t])["tool/errors/budget"] == pytest.approx(1 / 3)
 
 
 # --- Hermes ---------------------------------------------------------------------------------------------

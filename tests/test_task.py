@@ -165,11 +165,15 @@ def test_hermes_renders_tool_schemas_with_the_chat_template(tmp_path, qwen_token
         ("prompt.template=no placeholder", "{question}"),
         ("dataset.limit=0", "dataset.limit"),
         ("dataset.answer_regex=(", "not a valid pattern"),
+        ("tools.names=[]", "format 'tags' drives the built-in tools python and search"),
+        ("budgets.max_calls_per_tool.serch=1", "names 'serch', which is not a tool of this task"),
+        ("budgets.max_calls_per_tool.python=0", "budgets.max_calls_per_tool.python: got 0"),
     ],
 )
 def test_bad_specs_get_one_clear_line(override, needle):
     with pytest.raises(ConfigError) as e:
-        load_task(TORL, [override])
+        load_task(TORL, ["tools.format=tags" if "tools.names" in override or "per_tool" in override else "name=x",
+                         override])
     assert needle in str(e.value)
     assert str(TORL) in str(e.value) or override.startswith("budgets.max_turnz")
 
