@@ -21,6 +21,8 @@ import time
 from mcp.server.mcpserver import MCPServer
 
 app = MCPServer("notes")
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "starts.log"), "a") as log:
+    log.write(f"{os.getpid()}\\n")  # one line per start of this server
 
 
 @app.tool()
@@ -96,6 +98,20 @@ def test_calls_go_to_the_server_and_a_dead_server_is_started_again(spec):
     assert out["dead"].error == "connection" and out["dead"].service_fault  # errored, not the model's fault
     assert out["again"].text == "2" and out["second"] != first
     assert tools["add"].server.restarts == 1
+
+
+def test_the_server_is_listed_once_for_the_prompt_and_the_tools_then_started_for_the_run(spec, tmp_path):
+    assert tool_schemas(spec) == tool_schemas(spec)  # the prompt's schemas, asked twice: one listing
+    tools = build_tools({}, mcp=spec.mcp)  # its tools' names, from the same listing
+
+    async def go():
+        try:
+            return await tools["add"].call(ToolCall("add", {"a": 1}))
+        finally:
+            await tools["add"].aclose()
+
+    assert asyncio.run(go()).text == "3"
+    assert len((tmp_path / "starts.log").read_text().split()) == 2  # listed, then held for the calls
 
 
 def test_a_server_that_does_not_start_is_a_config_error_naming_the_key(tmp_path):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import json
 import os
 import sys
 import time
@@ -156,7 +158,18 @@ def run_sync(make: Callable[[], Awaitable[Any]]) -> Any:
 
 
 def server_schemas(spec: Any) -> list[dict]:
-    """The schemas of the tools server `spec` offers (it is started, asked and stopped)."""
+    """The schemas of the tools server `spec` offers: it is started, asked and stopped once per process, and
+    the answer serves both the prompt (the schemas the model is shown) and the tools built for the run (their
+    names), which then start it for good in the run's own event loop."""
+    return json.loads(_listed(spec.model_dump_json()))  # a copy of its own for each caller
+
+
+@functools.lru_cache(maxsize=64)
+def _listed(spec_json: str) -> str:
+    from agentrl.task_spec import MCPServerSpec
+
+    spec = MCPServerSpec.model_validate_json(spec_json)
+
     async def listed() -> list[dict]:
         server = MCPServer(spec)
         try:
@@ -165,4 +178,4 @@ def server_schemas(spec: Any) -> list[dict]:
             await server.aclose()
         return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                   "parameters": t.input_schema}} for t in tools]
-    return run_sync(listed)
+    return json.dumps(run_sync(listed))
