@@ -265,8 +265,17 @@ def agree(model: StrictModel, field: str, value: Any, key: str, source: str) -> 
 
 def load_run_config(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The run config at `path` with `--set` overrides. `task:` / `eval_task:` may name a task spec file
-    (relative to the working directory); its content is inlined before overrides apply."""
+    (relative to the working directory), in the file or as `--set task=FILE`; its content is inlined before
+    the other overrides apply, so `--set task=FILE --set task.budgets.max_turns=4` changes that file's task."""
     data = read_yaml(path)
+    rest = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and key.strip() in ("task", "eval_task"):
+            data[key.strip()] = value.strip()
+        else:
+            rest.append(text)
+    overrides = rest
     for key in ("task", "eval_task"):
         spec = data.get(key)
         if isinstance(spec, str):

@@ -200,7 +200,8 @@ class ToolsSpec(StrictModel):
     format: Literal["torl", "search_r1", "tags", "hermes"] | None = None  # None: no tools, single-turn
     names: list[Literal["python", "search"]] = []
     search_topk: int = Field(3, ge=1, description="search: passages returned per query (Search-R1 uses 3)")
-    functions: list[FunctionToolSpec] = Field([], description="Python functions as tools (format hermes)")
+    functions: list[FunctionToolSpec] = Field([], description="Python functions as tools (format hermes; in a tag "
+                                              "format, one named python or search stands in for that service)")
     workers: int = Field(4, ge=1, description="processes that run the function tools' calls")
     mcp: list[MCPServerSpec] = Field([], description="MCP servers whose tools the model may call (format hermes)")
     environment: EnvironmentSpec | None = Field(None, description="a class whose methods are the tools, one "
@@ -216,13 +217,16 @@ class ToolsSpec(StrictModel):
         if self.format is None and (self.all_names or self.mcp or self.environment):
             raise ValueError(f"tools {self.all_names or 'of MCP servers or an environment'} need a tool format: "
                              f"one of {', '.join(TOOL_FORMATS)}")
-        custom = self.functions or self.mcp or self.environment
-        if self.format in FORMAT_TOOL and (self.names != [FORMAT_TOOL[self.format]] or custom):
-            raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}]"
-                             + ("; function, MCP and environment tools need format hermes" if custom else ""))
-        if self.format == "tags" and (custom or not self.names):
-            raise ValueError("format 'tags' drives the built-in tools python and search (names: [python, search] "
-                             "or either one); function, MCP and environment tools need format hermes")
+        # A tag format calls its built-in tools by name; a function of that name stands in for the service.
+        custom = self.mcp or self.environment or [f for f in self.functions if f.name not in KNOWN_TOOLS]
+        if self.format in FORMAT_TOOL and (self.all_names != [FORMAT_TOOL[self.format]] or custom):
+            raise ValueError(f"format {self.format!r} drives exactly the tool [{FORMAT_TOOL[self.format]}], in names "
+                             "or as a function of that name"
+                             + ("; other function, MCP and environment tools need format hermes" if custom else ""))
+        if self.format == "tags" and (custom or not self.all_names):
+            raise ValueError("format 'tags' drives the tools python and search (names: [python, search], either "
+                             "one, or functions of those names); other function, MCP and environment tools need "
+                             "format hermes")
         if self.format == "hermes" and not (self.all_names or self.mcp or self.environment):
             raise ValueError("format 'hermes' needs at least one tool, in names, functions, mcp or environment")
         seen = set()

@@ -96,7 +96,7 @@ class Trainer:
         self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s,
                                               revive=revive)
         self.learning = asyncio.Lock()  # held while the learner's weights change
-        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer, names=spec.tools.names,
+        self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer, names=spec.tools.all_names,
                                 observation_max_chars=spec.budgets.observation_max_chars)
         self.environments = Task(spec, source="task").environments  # the task's environment class, if any
         self.reward = task_reward(spec.reward, spec.tools.workers)

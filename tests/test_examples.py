@@ -56,10 +56,9 @@ def test_the_units_example_rolls_out_with_its_tool_and_is_scored_by_its_reward(m
     assert t.reward.score == 1.0 and t.reward.parts == {"correct": 1.0, "used_tool": 1.0} and t.error is None
 
 
-@pytest.mark.slow
-def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwen_tokenizer):
-    """`agentrl train`'s loop on the example task: the scripted model calls the function tool, the reward
-    function scores it, the learner steps; a real (tiny) model scores the scripted tokens."""
+def _train_scripted(tmp_path, tok, task, turns: list[str]) -> list[dict]:
+    """`agentrl train`'s loop on `task` for two steps: a scripted model writes `turns` (hermes), a real tiny
+    model scores the scripted tokens, the learner steps. The metrics of each step."""
     import json
 
     import yaml
@@ -72,9 +71,7 @@ def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwe
     class HermesScript(ScriptedEngine):
         turn_marker = "<tool_response>"
 
-    monkeypatch.chdir(REPO)
-    tok = qwen_tokenizer
-    run = {"name": "units_scripted", "task": UNITS,
+    run = {"name": "scripted", "task": task,
            "model": {"tokenizer": str(QWEN_DIR), "config": {
                "model_type": "qwen2", "vocab_size": (len(tok) + 127) // 128 * 128, "hidden_size": 16,
                "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -85,18 +82,69 @@ def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwe
                        "eval_every": 0, "export": False, "save_every": 0, "samples_per_step": 4},
            "logging": {"progress": False}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
-    call = '<tool_call>{"name": "convert", "arguments": {"value": 5, "from_unit": "km", "to_unit": "m"}}</tool_call>'
-    turns = [call + tok.eos_token, "It is 5000.0 m." + tok.eos_token]
     trainer = Trainer(load_run_config(tmp_path / "run.yaml"), engine=HermesScript(tok, turns))
     asyncio.run(trainer.run())
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
+    assert [m["step"] for m in metrics] == [1, 2] and all("actor/loss" in m for m in metrics)
+    return metrics
+
+
+ASYNC_UNITS = """
+import asyncio
+
+from agentrl.tools.functions import load_function
+
+units = load_function("examples/tools/units.py:convert")
+
+
+async def convert(value: float, from_unit: str, to_unit: str) -> float:
+    \"\"\"Convert a length from one unit to another, awaiting as a client of a remote service would.\"\"\"
+    await asyncio.sleep(0)
+    return units(value, from_unit, to_unit)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["function", "async function", "mcp server"])
+def test_the_units_example_trains_through_the_trainer(tmp_path, monkeypatch, qwen_tokenizer, tool):
+    """The units task through `agentrl train`, its tool a sync function, an async one, or the MCP server's:
+    the scripted model calls it, the reward function scores the answer."""
+    import json
+
+    monkeypatch.chdir(REPO)
+    task = {"function": UNITS, "mcp server": "examples/units_mcp.yaml"}.get(tool)
+    if tool == "async function":
+        (tmp_path / "async_units.py").write_text(ASYNC_UNITS)
+        task = {"base": UNITS, "tools": {"functions": [{"function": f"{tmp_path}/async_units.py:convert"}]}}
+    call = '<tool_call>{"name": "convert", "arguments": {"value": 5, "from_unit": "km", "to_unit": "m"}}</tool_call>'
+    eos = qwen_tokenizer.eos_token
+    for m in _train_scripted(tmp_path, qwen_tokenizer, task, [call + eos, "It is 5000.0 m." + eos]):
         assert m["tool/calls_per_trajectory"] == 1.0 and m["tool/error_rate"] == 0.0
-        assert m["reward/used_tool"] == 1.0 and m["rollout/errored"] == 0.0 and "actor/loss" in m
+        assert m["reward/used_tool"] == 1.0 and m["rollout/errored"] == 0.0  # the answer fits one row only
     sample = json.loads((tmp_path / "run/samples/step_1.jsonl").read_text().splitlines()[0])
     assert [s["source"] for s in sample["segments"]] == ["model", "tool", "model"]
     assert "5000.0" in sample["segments"][1]["text"]
+
+
+@pytest.mark.slow
+def test_the_guess_environment_trains_through_the_trainer(tmp_path, monkeypatch, qwen_tokenizer):
+    """One game per trajectory through `agentrl train`: every row's secret is 7, the scripted model guesses
+    3, then 7; the environment ends each episode and its reward is the trajectory's."""
+    import json
+
+    monkeypatch.chdir(REPO)
+    rows = [{"id": f"g{i}", "question": "A number from 1 to 10.", "low": 1, "high": 10, "secret": 7, "answer": "7"}
+            for i in range(4)]
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {"base": "examples/guess.yaml", "dataset": {"path": str(tmp_path / "games.jsonl")}}
+    eos = qwen_tokenizer.eos_token
+    turns = [f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call>{eos}' for n in (3, 7)]
+    for m in _train_scripted(tmp_path, qwen_tokenizer, task, turns):
+        assert m["rollout/stop/done"] == 1.0 and m["tool/calls_per_trajectory"] == 2.0
+        assert m["reward/mean"] == 1.0 and m["reward/rewarded_steps"] == 1.0 and m["rollout/errored"] == 0.0
+    sample = json.loads((tmp_path / "run/samples/step_1.jsonl").read_text().splitlines()[0])
+    assert [s["source"] for s in sample["segments"]] == ["model", "tool", "model"]  # nothing after the end
+    assert "higher than 3" in sample["segments"][1]["text"]
 
 
 def test_the_mcp_example_serves_the_same_tool(monkeypatch):

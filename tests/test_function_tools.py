@@ -240,6 +240,19 @@ def test_tasks_validate_imports_the_functions_and_names_the_key(tools_file, tmp_
         assert bad.exit_code == 1 and message in bad.output, bad.output
 
 
+def test_a_function_stands_in_for_a_tag_formats_tool_only_with_its_argument(tools_file):
+    from agentrl.config import ConfigError
+    from agentrl.task_spec import ToolsSpec
+    from agentrl.tools import tool_schemas
+
+    spec = ToolsSpec(format="torl", functions=[{"function": f"{tools_file}:shout", "name": "python"}])
+    with pytest.raises(ConfigError, match=r"tools.functions\[0\]: the torl format calls python with one argument "
+                                          r"'code'; the function takes \['text'\]"):
+        tool_schemas(spec)
+    with pytest.raises(ValueError, match=r"drives exactly the tool \[python\], in names or as a function"):
+        ToolsSpec(format="torl", functions=[{"function": f"{tools_file}:shout"}])
+
+
 def test_tasks_show_prints_the_schemas_the_model_sees(tools_file, tmp_path, qwen_tokenizer):
     from typer.testing import CliRunner
 

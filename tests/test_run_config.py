@@ -23,6 +23,13 @@ def test_the_task_file_is_inlined_and_overridable():
     assert cfg.task.budgets.max_response_tokens == 48 and cfg.task.budgets.max_turns == 2  # merged, not replaced
 
 
+def test_set_task_names_another_task_file_whose_keys_later_sets_change():
+    cfg = load_run_config(REPO / "configs/quickstart_code.yaml",
+                          ["task.budgets.max_turns=3", "task=examples/calculator.yaml", "task.dataset.path=x.jsonl"])
+    assert cfg.task.name == "calculator" and cfg.task.tools.functions[0].name == "python"
+    assert cfg.task.dataset.path == "x.jsonl" and cfg.task.budgets.max_turns == 3  # applied after the file
+
+
 def test_shared_settings_are_derived_once():
     cfg = load_run_config(DEBUG, ["rollout.temperature=0.7", "trainer.seed=5", "algo.overlong.buffer_tokens=8"])
     assert cfg.learner.temperature == 0.7

@@ -47,7 +47,7 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
     tools = build_tools({name: (tool_urls or {})[name] for name in spec.tools.names}, spec.tools.search_topk,
                         functions=spec.tools.functions, workers=spec.tools.workers, mcp=spec.tools.mcp)
     fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars,
-                       names=spec.tools.names)
+                       names=spec.tools.all_names)
     environments = Task(spec, source="task").environments
     results: dict[str, dict[str, float]] = {}
     reward = task_reward(spec.reward, spec.tools.workers)

@@ -118,6 +118,7 @@ def tool_schemas(spec: ToolsSpec) -> list[dict]:
             schemas.append(function_schema(fn, f.name, f.description, f.parameters))
         except ValueError as e:
             raise ConfigError(f"tools.functions[{i}]: {e}") from None
+        _check_stand_in(i, f.name, schemas[-1], spec.format)
     for i, server in enumerate(spec.mcp):
         schemas.extend(_server_schemas(i, server))
     return schemas
@@ -136,6 +137,19 @@ async def call_tool(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
                           latency_s=time.perf_counter() - t0)
     except Exception as e:  # a tool client should not raise; if it does, the batch still goes on
         return ToolResult(f"Error: {type(e).__name__}: {e}", error="exception", latency_s=time.perf_counter() - t0)
+
+
+def _check_stand_in(i: int, name: str, schema: dict, fmt: str | None) -> None:
+    """A function standing in for a built-in tool of a tag format is called with that tool's one argument
+    (python: `code`, search: `query`): its parameters must take it, and need no other."""
+    if fmt == "hermes" or name not in TOOL_SCHEMAS:
+        return
+    [arg] = TOOL_SCHEMAS[name]["function"]["parameters"]["required"]
+    params = schema["function"]["parameters"]
+    if arg not in params.get("properties", {}) or set(params.get("required", [])) - {arg}:
+        raise ConfigError(f"tools.functions[{i}]: the {fmt} format calls {name} with one argument {arg!r}; the "
+                          f"function takes {sorted(params.get('properties', {}))}, "
+                          f"requiring {sorted(params.get('required', []))}")
 
 
 class Replicas:
