@@ -172,6 +172,9 @@ def tasks_check(
         rows = task.rows()
     except ConfigError as e:
         raise _fail(str(e)) from None
+    if task.spec.reward.name == "environment":
+        raise _fail(f"{file}: reward 'environment' sums what the task's environment gives as the model plays; "
+                    "it grades no text, so there is no reference to check")
     missing = [r.id for r in rows if field not in r.fields]
     if missing:
         raise _fail(f"--field {field!r}: {len(missing)} rows lack it (first: row {missing[0]})")

@@ -193,6 +193,8 @@ def test_the_guess_example_plays_a_game_to_its_end(monkeypatch, qwen_tokenizer):
     monkeypatch.chdir(REPO)
     valid = CliRunner().invoke(app, ["tasks", "validate", "examples/guess.yaml"])
     assert valid.exit_code == 0 and "hermes ['guess']" in valid.output, valid.output
+    checked = CliRunner().invoke(app, ["tasks", "check", "examples/guess.yaml", "--field", "answer"])
+    assert checked.exit_code != 0 and "grades no text" in checked.output
     task = load_task("examples/guess.yaml")
     row = next(r for r in task.rows() if r.fields["high"] >= 50)
     prompt = task.render(row, qwen_tokenizer)
