@@ -3,9 +3,11 @@
 A `TrajectoryBuilder` is the state machine of one trajectory: it asks for a model turn with the token
 budget left, takes the engine's `Completion` (kept as a model segment, ids and logprobs exactly as
 sampled), decodes those ids (never the engine's text) and lets the task's tool format (tools/formats.py)
-decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Tool results
-(tools/) are rendered, tokenized on their own and appended as a masked tool segment. A failed tool is an
-observation, never an exception. Every model turn, however it ended, is also judged void or not by the
+decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Each trajectory's
+calls go to its own `Episode` (environments.py): the object of the task's environment class for the tools
+it defines, reset before the first turn and closed after the last, and the shared tools (tools/) for the
+rest; a call past its tool's own budget is answered without running. Results are rendered, tokenized on
+their own and appended as a masked tool segment. A failed tool is an observation, never an exception. Every model turn, however it ended, is also judged void or not by the
 format (SimpleTIR's void turn, `ToolFormat.is_void`); the trajectory carries the count in `timings`, which
 `algo.drop_void_turns` reads (batch.py).
 
@@ -18,6 +20,7 @@ Rewards, advantages and packing come after this stage (rewards/, algo/, learner/
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
@@ -222,7 +225,8 @@ async def _generate(b: TrajectoryBuilder, engine: Engine, sampling: Sampling) ->
 
 async def _reset(b: TrajectoryBuilder, episode: Episode) -> None:
     try:
-        await episode.reset(b.prompt.metadata.get("row", {}))
+        # A copy per trajectory: the samples of a group share the prompt, and an environment may keep its row.
+        await episode.reset(copy.deepcopy(b.prompt.metadata.get("row", {})))
     except EnvironmentFailed as e:
         b.fail("environment", str(e))
 
