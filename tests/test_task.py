@@ -165,7 +165,7 @@ def test_hermes_renders_tool_schemas_with_the_chat_template(tmp_path, qwen_token
         ("prompt.template=no placeholder", "{question}"),
         ("dataset.limit=0", "dataset.limit"),
         ("dataset.answer_regex=(", "not a valid pattern"),
-        ("tools.names=[]", "format 'tags' drives the built-in tools python and search"),
+        ("tools.names=[]", "format 'tags' drives the tools python and search"),
         ("budgets.max_calls_per_tool.serch=1", "names 'serch', which is not a tool of this task"),
         ("budgets.max_calls_per_tool.python=0", "budgets.max_calls_per_tool.python: got 0"),
     ],
