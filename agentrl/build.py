@@ -12,8 +12,10 @@ theirs here, so an engine setting means the same thing wherever the engine runs.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +71,8 @@ def build_engine(config: RunConfig, *, seed: int, model_dir: str | None = None, 
                  tokenizer: Any = None, own_process: bool | None = None, **vllm_overrides: Any) -> Any:
     """The run's engine (engine.* settings), sampling with `seed`. vLLM: over the weights in `model_dir`,
     in a child process with `own_process` (default: engine.own_process). Transformers: a copy of `lm` (or
-    the run's starting weights) on engine.device. The learner's first push replaces the weights either way."""
+    the run's starting weights) on engine.device, with the run's LoRA adapter where it trains one. The
+    learner's first push replaces the weights (the adapter) either way."""
     e = config.engine
     if e.kind == "vllm":
         from agentrl.engine.vllm import VLLMEngine
@@ -86,21 +89,39 @@ def build_engine(config: RunConfig, *, seed: int, model_dir: str | None = None, 
     from agentrl.engine.hf import HFEngine
 
     model = lm if lm is not None else build_lm(config)
+    if config.model.lora is not None:  # base + adapter, as the learner holds them; pushes replace the adapter
+        from agentrl.learner.lora import add_lora
+
+        model = add_lora(model, config.model.lora)
     return HFEngine(model.to(engine_device(e.device)), tokenizer if tokenizer is not None else run_tokenizer(config),
                     max_batch=e.max_batch, seed=seed)
 
 
 def checkpoint_engine(kind: str, model: str, seed: int) -> Any:
     """An engine over the checkpoint `model` for evaluation: `kind` hf, vllm or auto (vLLM where a GPU and
-    vLLM are). vLLM draws each request from its own seed, so a sample does not depend on its batch."""
+    vLLM are). vLLM draws each request from its own seed, so a sample does not depend on its batch. `model`
+    may be a LoRA adapter (a run's `export/adapter`): it is merged into the base it names, first."""
+    from agentrl.learner import lora
+
     if kind == "auto":
         kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+    if kind not in ("hf", "vllm"):
+        raise ConfigError(f"--engine {kind!r}: expected auto, hf or vllm")
+    adapter = lora.is_adapter_dir(model)
     if kind == "vllm":
         from agentrl.engine.vllm import VLLMEngine
 
-        return VLLMEngine(model, seed=seed, use_request_seeds=True)
-    if kind == "hf":
-        from agentrl.engine.hf import HFEngine
+        if not adapter:
+            return VLLMEngine(model, seed=seed, use_request_seeds=True)
+        merged = tempfile.mkdtemp(prefix="agentrl-merged-")  # vLLM loads from files, in its engine core
+        atexit.register(shutil.rmtree, merged, ignore_errors=True)
+        lm, _ = lora.load_merged(model)
+        lm.save_pretrained(merged)
+        load_tokenizer(model).save_pretrained(merged)
+        return VLLMEngine(merged, seed=seed, use_request_seeds=True)
+    from agentrl.engine.hf import HFEngine
 
-        return HFEngine.from_pretrained(model, device=engine_device("auto"), seed=seed)
-    raise ConfigError(f"--engine {kind!r}: expected auto, hf or vllm")
+    if adapter:
+        lm, _ = lora.load_merged(model)
+        return HFEngine(lm.to(engine_device("auto")), load_tokenizer(model), seed=seed)
+    return HFEngine.from_pretrained(model, device=engine_device("auto"), seed=seed)

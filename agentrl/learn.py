@@ -22,7 +22,7 @@ from agentrl.batch import build_batch
 from agentrl.learner.critic import CriticWorker
 from agentrl.learner.packing import pack
 from agentrl.learner.policy import PolicyWorker
-from agentrl.learner.reference import ReferenceWorker
+from agentrl.learner.reference import BaseReference, ReferenceWorker
 from agentrl.types import Group, Trajectory
 from agentrl.weight_sync import push_weights, transport
 
@@ -34,10 +34,14 @@ class Learner:
     def __init__(self, config: RunConfig, lm: torch.nn.Module) -> None:
         self.config = config
         algo = config.algo
-        self.reference = ReferenceWorker(config.learner, model=copy.deepcopy(lm)) if algo.needs_reference else None
+        lora = config.learner.lora is not None  # the reference is then the policy's base (BaseReference)
+        self.reference = (ReferenceWorker(config.learner, model=copy.deepcopy(lm))
+                          if algo.needs_reference and not lora else None)
         self.critic = (CriticWorker(config.critic, algo, model=copy.deepcopy(lm))
                        if algo.needs_critic and config.critic else None)
         self.policy = PolicyWorker(config.learner, algo, model=lm)
+        if algo.needs_reference and lora:
+            self.reference = BaseReference(self.policy)
         self.transport = transport(config)
 
     def learn(self, groups: list[Group]) -> dict[str, float]:

@@ -24,7 +24,7 @@ from agentrl.config import (
     read_yaml,
     validate,
 )
-from agentrl.learner.config import LearnerConfig
+from agentrl.learner.config import LearnerConfig, LoraSpec
 from agentrl.rollout import RolloutConfig
 from agentrl.task_spec import TaskSpec
 
@@ -37,6 +37,8 @@ class ModelConfig(StrictModel):
     config: dict[str, Any] | None = Field(None, description="transformers config kwargs, model_type included")
     tokenizer: str | None = Field(None, description="tokenizer dir or hub name; default: path")
     init_seed: int = Field(0, description="seed of the random initialisation (config only)")
+    lora: LoraSpec | None = Field(None, description="train LoRA adapters on the frozen model instead of all its "
+                                  "weights (learner/lora.py); the engines serve base + adapter")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -225,6 +227,11 @@ class RunConfig(StrictModel):
                              "sample per prompt use reinforce_pp or gae")
         if self.model.path is not None:
             agree(self.learner, "model", self.model.path, "learner.model", "model.path")
+        if self.model.lora is not None:
+            agree(self.learner, "lora", self.model.lora, "learner.lora", "model.lora")
+            if self.engine.kind == "vllm":
+                raise ValueError("model.lora: engine.kind vllm does not serve LoRA adapters in this version; use "
+                                 "engine.kind hf, or train the full weights (no model.lora)")
         if self.algo.needs_critic and self.critic is None:
             self.critic = self.learner.model_copy(deep=True)
         for role, learner in (("learner", self.learner), ("critic", self.critic)):

@@ -55,6 +55,8 @@ class SFTConfig(StrictModel):
         """As RunConfig's: the learner takes model.path and trainer.seed; a different value is an error."""
         if self.model.path is not None:
             agree(self.learner, "model", self.model.path, "learner.model", "model.path")
+        if self.model.lora is not None:  # SFT of an adapter: the export is merged, the adapter beside it
+            agree(self.learner, "lora", self.model.lora, "learner.lora", "model.lora")
         agree(self.learner, "seed", self.trainer.seed, "learner.seed", "trainer.seed")
         return self
 

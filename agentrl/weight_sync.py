@@ -47,13 +47,21 @@ def transport(config: Any) -> str:
 
 
 async def push_weights(policy: Any, engine: Any, how: str) -> dict[str, float]:
-    """`policy`'s weights into the engine of a one-process run (`how`: tensors or ipc)."""
+    """`policy`'s weights into the engine of a one-process run (`how`: tensors or ipc); `sync/bytes`: what
+    was sent (a LoRA policy sends its adapter only)."""
     start = time.perf_counter()
+    sent = [0]
+
+    def counted() -> Any:
+        for name, tensor in policy.state_for_sync():
+            sent[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
     if how == "ipc":
-        await engine.update_weights_on_gpu(policy.state_for_sync())  # a GpuReceiver: no copy through the host
+        await engine.update_weights_on_gpu(counted())  # a GpuReceiver: no copy through the host
     else:
-        await engine.update_weights(policy.state_for_sync())
-    return {"timing/weight_sync": time.perf_counter() - start}
+        await engine.update_weights(counted())
+    return {"timing/weight_sync": time.perf_counter() - start, "sync/bytes": float(sent[0])}
 
 
 def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcast: WeightBroadcast | None) -> None:

@@ -37,6 +37,18 @@ class OptimConfig(StrictModel):
         return self
 
 
+class LoraSpec(StrictModel):
+    """LoRA adapters (learner/lora.py): peft's low-rank layers on `target_modules`, every other weight frozen.
+    The update is W + (alpha / rank) * B @ A, B starting at zero (the adapted model starts as the base)."""
+
+    rank: int = Field(32, ge=1)
+    alpha: float = Field(64.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="on the adapter's input, in training forwards only")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="names (or name endings) of the Linear modules to adapt; all-linear: every "
+        "Linear of the decoder, not the output head")
+
+
 class LearnerConfig(StrictModel):
     """One FSDP2 worker group (policy, critic or reference) over an HF causal LM."""
 
@@ -69,3 +81,5 @@ class LearnerConfig(StrictModel):
     )
     seed: int = 0
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    lora: LoraSpec | None = Field(None, description="train LoRA adapters instead of the full weights (set from "
+                                                     "model.lora)")

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import masked_sum, value_loss
+from agentrl.learner import lora
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.packing import Batch, MicroBatch
 from agentrl.learner.worker import Worker, load_causal_lm, loss_weights, model_inputs
@@ -41,9 +42,11 @@ class CriticWorker(Worker):
     def __init__(self, config: LearnerConfig, algo: AlgoConfig, model: nn.Module | None = None) -> None:
         ctx = Worker.context(config)
         lm = load_causal_lm(config, model)
+        if config.lora is not None:  # an adapter of its own on the backbone; the value head trains whole
+            lm = lora.add_lora(lm, config.lora, "critic.lora")
         backbone = lm.base_model
         self.algo = algo
-        module = ValueModule(backbone, lm.config.hidden_size)
+        module = ValueModule(backbone, lm.config.hidden_size)  # a new head: trainable
         super().__init__(config, module, backbone, "backbone.", trainable=True, ctx=ctx)
 
     def compute_values(self, batch: Batch) -> Tensor:

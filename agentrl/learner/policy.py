@@ -7,19 +7,21 @@ chunk, through the transform the model's own forward applies to its logits after
 PPO clip (asymmetric, dual), importance weights against the engine's logprobs (truncated or masked), KL
 to the reference as a loss term, an entropy bonus, aggregated with whole-batch weights. The trainer calls
 `compute_logprobs`, `train_step`, `state_for_sync` (the weights to send to the engines), `save`/`load` and
-`export_hf`.
+`export_hf`. With `lora` set (lora.py) the model carries an adapter and only the adapter trains;
+`compute_base_logprobs` is then the reference policy.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import behaviour_weights, gspo_logprobs, kl_penalty, masked_sum, ppo_clip_loss
-from agentrl.learner import checkpoint
+from agentrl.learner import checkpoint, lora
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.head import head_transform
 from agentrl.learner.logprobs import token_logprobs
@@ -56,6 +58,8 @@ class PolicyWorker(Worker):
     def __init__(self, config: LearnerConfig, algo: AlgoConfig, model: nn.Module | None = None) -> None:
         ctx = Worker.context(config)
         lm = load_causal_lm(config, model)
+        if config.lora is not None:
+            lm = lora.add_lora(lm, config.lora)
         self.lm = lm
         self.algo = algo
         module = PolicyModule(lm, config)
@@ -121,5 +125,15 @@ class PolicyWorker(Worker):
 
     def export_hf(self, path: str, dtype: torch.dtype = torch.bfloat16, tokenizer: object = None) -> None:
         """`save_pretrained` directory (config + safetensors, and `tokenizer`'s files when given) that
-        transformers and vLLM load. Collective."""
-        checkpoint.export_hf(path, self.module, self.lm, self.hf_prefix, dtype, self.ctx, tokenizer)
+        transformers and vLLM load; with LoRA the adapter merged in, and on its own under `adapter/`.
+        Collective."""
+        base = self.config.model  # a local base is recorded by its absolute path: the adapter names it
+        base = str(Path(base).resolve()) if base and Path(base).is_dir() else base or None
+        checkpoint.export_hf(path, self.module, self.lm, self.hf_prefix, dtype, self.ctx, tokenizer,
+                             adapter=self.config.lora, base=base)
+
+    def compute_base_logprobs(self, batch: Batch) -> Tensor:
+        """Logprob of every response token under the base model, the LoRA adapter off: [B, R] float32 on
+        CPU (the reference policy of an adapted model, reference.py)."""
+        with lora.adapter_off(self.module):
+            return self.compute_logprobs(batch)

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 
 from agentrl.algo import AlgoConfig
 from agentrl.algo.loss import aggregation_weights
-from agentrl.learner import checkpoint
+from agentrl.learner import checkpoint, lora
 from agentrl.learner.attention import enable_packed_attention
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.fsdp import (
@@ -118,8 +118,12 @@ class Worker:
         module.eval()  # dropout off: logprobs must be those of the policy that sampled
         if not trainable:
             module.requires_grad_(False)
-            for param in module.parameters():  # a frozen model needs no float32 master copy; buffers (RoPE
-                param.data = param.data.to(self.compute_dtype)  # frequencies) stay float32 as in the policy
+        # Frozen weights (a reference model; a LoRA policy's base) need no float32 master copy; buffers (RoPE
+        # frequencies) stay float32 as in the policy.
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        for param in frozen:
+            param.data = param.data.to(self.compute_dtype)
+        self.adapted = trainable and bool(frozen)  # LoRA (lora.py): only the adapter trains, syncs and is saved
         self.fsdp_unit = config.fsdp_unit if config.fsdp_unit != "auto" else auto_unit(module, ctx, trainable)
         self.module = shard(
             module, decoder_blocks(hf_model), ctx,
@@ -132,7 +136,8 @@ class Worker:
         # one FSDP unit with 16-bit compute: its float32 gradient sums in one foreach call (fsdp.py)
         self.grad_accumulation = (FusedGradAccumulation(self.module, compiled=config.compile)
                                   if trainable and use_bf16 and self.fsdp_unit == "model" else None)
-        self.optimizer = build_optimizer(self.module.parameters(), config.optim) if trainable else None
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(trained, config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
         self.steps = 0  # optimizer steps taken
         # The schedule counts trainer steps (`end_step`), not optimizer steps: warmup and cosine lengths are
@@ -181,18 +186,12 @@ class Worker:
         # (no all-gather per micro-batch); the last backward frees them as usual.
         keep_gathered = not self.config.reshard_after_forward
         fused = self.grad_accumulation if last > 0 else None  # one micro-batch: FSDP reduces it, no sum
-        for i, mb in enumerate(micro_batches):
-            self.module.set_requires_gradient_sync(i == last)
-            if keep_gathered:
-                self.module.set_reshard_after_backward(i == last)
-            with record_function("agentrl.forward"):
-                loss, stats = micro_loss(mb)
-            if fused is not None:
-                fused.arm(loss)
-            with record_function("agentrl.backward"):
-                loss.backward()
-            for k, v in stats.items():
-                sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+        dropout = self.adapted and self.config.lora is not None and self.config.lora.dropout > 0
+        lora.set_dropout(self.module, dropout)  # the adapters' dropout, in training forwards only
+        try:
+            self._accumulate(micro_batches, micro_loss, fused, keep_gathered, sums)
+        finally:
+            lora.set_dropout(self.module, False)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         with record_function("agentrl.optimizer"):
             grad_norm, skipped = self._optimizer_step(empty=batch.num_loss_tokens == 0)
@@ -205,6 +204,23 @@ class Worker:
         out[f"perf/{self.role}_tokens"] = tokens
         out[f"perf/{self.role}_tokens_per_s"] = tokens / elapsed
         return out
+
+    def _accumulate(self, micro_batches: list[MicroBatch], micro_loss: Callable[[MicroBatch], tuple[Tensor, dict[str, Tensor]]],
+                    fused: FusedGradAccumulation | None, keep_gathered: bool, sums: dict[str, Tensor]) -> None:
+        """Forward and backward of each micro-batch, gradients summed and synced on the last; stats into `sums`."""
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            self.module.set_requires_gradient_sync(i == last)
+            if keep_gathered:
+                self.module.set_reshard_after_backward(i == last)
+            with record_function("agentrl.forward"):
+                loss, stats = micro_loss(mb)
+            if fused is not None:
+                fused.arm(loss)
+            with record_function("agentrl.backward"):
+                loss.backward()
+            for k, v in stats.items():
+                sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
 
     def _optimizer_step(self, empty: bool = False) -> tuple[float, bool]:
         """Clip by global grad norm and step, unless the norm is NaN/inf: then drop the gradients, leave
@@ -256,18 +272,20 @@ class Worker:
 
     def state_for_sync(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor on this device) per parameter, one at a time, in `dtype` (default: the
-        compute dtype). Collective: every rank must exhaust the iterator."""
-        return checkpoint.iter_full_state(self.module, self.hf_prefix, dtype or self.compute_dtype)
+        compute dtype); with LoRA the adapter's only (the engine holds the same frozen base). Collective:
+        every rank must exhaust the iterator."""
+        return checkpoint.iter_full_state(self.module, self.hf_prefix, dtype or self.compute_dtype,
+                                          trained_only=self.adapted)
 
     def save(self, path: str, extra: dict[str, object] | None = None) -> None:
-        """Checkpoint weights, optimizer, schedule, step counters, RNG of every rank and `extra` (e.g. the
-        trainer's data position) to directory `path`. Collective."""
+        """Checkpoint weights (with LoRA the adapter's: the base is the model's own), optimizer, schedule, step
+        counters, RNG of every rank and `extra` (e.g. the trainer's data position) to `path`. Collective."""
         state = {"steps": self.steps, "skipped_steps": self.skipped_steps, "extra": extra or {}}
-        checkpoint.save(path, self.module, self.optimizer, self.scheduler, state, self.ctx)
+        checkpoint.save(path, self.module, self.optimizer, self.scheduler, state, self.ctx, trained_only=self.adapted)
 
     def load(self, path: str) -> dict[str, object]:
         """Restore what `save` wrote; returns its `extra`. Collective."""
-        state = checkpoint.load(path, self.module, self.optimizer, self.scheduler, self.ctx)
+        state = checkpoint.load(path, self.module, self.optimizer, self.scheduler, self.ctx, trained_only=self.adapted)
         reshard_all(self.module)
         self.steps, self.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
         return dict(state["extra"])
