@@ -188,18 +188,20 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-def test_a_lora_run_pushes_only_the_adapter_checks_every_push_and_exports_both(tmp_path, in_repo):
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])  # gae: the critic with an adapter of its own
+def test_a_lora_run_pushes_only_the_adapter_checks_every_push_and_exports_both(tmp_path, in_repo, advantage):
     from agentrl.build import build_lm
     from agentrl.trainer import train
     from tests.test_trainer import config, read_jsonl
 
-    cfg = config(tmp_path, "trainer.steps=2", *LORA_RUN)
+    cfg = config(tmp_path, "trainer.steps=2", f"algo.advantage={advantage}", *LORA_RUN)
     adapter_bytes = 4 * sum(p.numel() for n, p in lora.add_lora(build_lm(cfg), cfg.model.lora).named_parameters()
                             if lora.is_adapter(n))
     run = train(cfg).root
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["sync/bytes"] for m in metrics] == [adapter_bytes] * 2  # float32 on the CPU
     assert all(m["sync/probe_gap"] < 1e-4 for m in metrics)
+    assert all(("critic/value_loss" in m) == (advantage == "gae") for m in metrics)
     assert (run / "export/config.json").exists() and (run / "export/adapter/adapter_config.json").exists()
 
 
