@@ -160,8 +160,8 @@ class _LearnerRank:
     def score(self, trajectory: Any) -> list[float]:
         return self.learner.score(trajectory)
 
-    def push(self, actors: list[Any], how: str) -> None:
-        push_from_rank(self.learner.policy, self.rank, actors, how, self.broadcast)
+    def push(self, actors: list[Any], how: str) -> int:
+        return push_from_rank(self.learner.policy, self.rank, actors, how, self.broadcast)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.learner.save(path, extra)
@@ -233,8 +233,8 @@ class RayLearner:
         """The policy's weights into the run's engines (an EnginePool of RayEngines, as `place` makes it); in a
         thread, so the event loop stays free and trainer.push_timeout_s can end the wait."""
         start = time.perf_counter()
-        await asyncio.to_thread(self._all, "push", [e.actor for e in engine.engines], self.transport)
-        return {"timing/weight_sync": time.perf_counter() - start}
+        sent = await asyncio.to_thread(self._all, "push", [e.actor for e in engine.engines], self.transport)
+        return {"timing/weight_sync": time.perf_counter() - start, "sync/bytes": float(sent[0])}
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self._all("save", path, extra)

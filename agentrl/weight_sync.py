@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from agentrl.engine import Sampling
@@ -51,32 +52,34 @@ async def push_weights(policy: Any, engine: Any, how: str) -> dict[str, float]:
     was sent (a LoRA policy sends its adapter only)."""
     start = time.perf_counter()
     sent = [0]
-
-    def counted() -> Any:
-        for name, tensor in policy.state_for_sync():
-            sent[0] += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
     if how == "ipc":
-        await engine.update_weights_on_gpu(counted())  # a GpuReceiver: no copy through the host
+        await engine.update_weights_on_gpu(_counted(policy, sent))  # a GpuReceiver: no copy through the host
     else:
-        await engine.update_weights(counted())
+        await engine.update_weights(_counted(policy, sent))
     return {"timing/weight_sync": time.perf_counter() - start, "sync/bytes": float(sent[0])}
 
 
-def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcast: WeightBroadcast | None) -> None:
+def _counted(policy: Any, sent: list[int]) -> Iterator[tuple[str, Any]]:
+    """`policy.state_for_sync()`, adding each tensor's bytes to `sent[0]`."""
+    for name, tensor in policy.state_for_sync():
+        sent[0] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcast: WeightBroadcast | None) -> int:
     """A Ray learner rank's part of a push to the engine actors (ray_placement._EngineActor): every rank
     gathers every tensor (the collective part); then rank i sends to engine i (ipc), or rank 0 to every
-    engine (nccl: over `broadcast`; bytes: through the object store)."""
+    engine (nccl: over `broadcast`; bytes: through the object store). Returns the bytes of the weights."""
     import ray
 
-    state = policy.state_for_sync()
+    sent = [0]
+    state = _counted(policy, sent)
     if how == "ipc":
         actors = [actors[rank]]
     elif rank != 0:
         for _ in state:
             pass
-        return
+        return sent[0]
     if how == "nccl":
         for flat, layout in flat_buckets(state):
             receiving = [a.receive_bucket.remote(layout, flat.numel()) for a in actors]
@@ -92,6 +95,7 @@ def push_from_rank(policy: Any, rank: int, actors: list[Any], how: str, broadcas
             payload = ray.put(encode_bucket(bucket))
             ray.get([a.load_weight_bucket.remote(payload) for a in actors])
     ray.get([a.weights_loaded.remote() for a in actors])
+    return sent[0]
 
 
 async def push_checked(learner: Any, engine: Any, probe: PushProbe | None, step: int,
