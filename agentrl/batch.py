@@ -14,7 +14,8 @@
    training forward, so the policy takes them from there, detached (learner/policy.py), and the pass's
    forward over the whole batch is saved. A reference in the reward (kl.use=reward) still needs them here;
    one in the loss does not (its KL is taken on the training forward's logprobs).
-5. Advantages over the whole step (algo/advantage.py), then `Batch.set` on every mini-batch.
+5. Advantages over the whole step (algo/advantage.py), then `Batch.set` on every mini-batch; each
+   trajectory keeps its mean advantage and, where step 4 computed them, the learner's logprobs (for dumps).
 
 The trainer calls `build_batch` once per step and hands the mini-batches to the learner.
 """
@@ -84,6 +85,17 @@ def split_groups(groups: Sequence[Group], parts: int) -> list[list[int]]:
     return [list(range(starts[a], starts[b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def _keep_for_dumps(trajectories: Sequence[Trajectory], advantages_BR: Tensor, mask_BR: Tensor,
+                    old_BR: Tensor | None) -> None:
+    """Each trajectory's mean advantage over its trained tokens, and the learner's logprobs where the step
+    computed them, kept on it for the step's dumps (samples.py)."""
+    for i, t in enumerate(trajectories):
+        trained = mask_BR[i]
+        t.learner = {"advantage": float((advantages_BR[i] * trained).sum() / trained.sum().clamp(min=1))}
+        if old_BR is not None:
+            t.learner["logprobs"] = old_BR[i, : len(t.response_ids)].tolist()
+
+
 def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int, mini_batches: int, policy: Any,
                 reference: Any = None, critic: Any = None, drop_void_turns: bool = False,
                 ppo_epochs: int = 1) -> StepBatch:
@@ -129,6 +141,8 @@ def build_batch(groups: Sequence[Group], *, algo: AlgoConfig, token_budget: int,
         if values_BR is not None and returns_BR is not None:
             b.set("old_values", values_BR[rows, :width])
             b.set("returns", returns_BR[rows, :width])
+
+    _keep_for_dumps(trajectories, advantages_BR, mask_BR, old_BR)
 
     tokens = layout.mask_BR.sum().clamp(min=1)
     metrics |= {

@@ -22,20 +22,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import json
 import logging
 import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import Field
 
-from agentrl.config import StrictModel, atomic_write_text
+from agentrl.config import StrictModel
 from agentrl.engine import Completion, Engine, Sampling, completed_stop
-from agentrl.environments import Environments, EnvironmentFailed, Episode, ToolSet
+from agentrl.environments import EnvironmentFailed, Environments, Episode, ToolSet
 from agentrl.task_spec import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import Answer, Calls, Invalid, ToolFormat
@@ -364,26 +362,3 @@ class ErroredSteps:
             raise RuntimeError(f"{message}, {self.in_a_row} steps in a row (trainer.max_errored_steps): the run stops")
         log.warning(message)
         return share < 1
-
-
-def trajectory_record(t: Trajectory, tokenizer: Any) -> dict[str, Any]:
-    """A JSON-able view of a trajectory for dumps: texts decoded from the ids, segment by segment."""
-    return {
-        "id": t.prompt.id,
-        "sample": t.sample,
-        "stop_reason": t.stop_reason.value,
-        "reward": None if t.reward is None else {"score": t.reward.score, **t.reward.parts},
-        "prompt": t.prompt.text,
-        "segments": [{"source": s.source, "text": tokenizer.decode(s.token_ids), "tokens": len(s.token_ids)}
-                     | ({"version": s.version} if s.version is not None else {}) for s in t.segments],
-        "tool_calls": [{"turn": r.turn, "name": r.call.name if r.call else None,
-                        "arguments": r.call.arguments if r.call else None, "error": r.result.error,
-                        "latency_ms": round(r.result.latency_s * 1000, 3)} for r in t.tool_records],
-        "ground_truth": t.prompt.ground_truth,
-        "timings": t.timings,
-    }
-
-
-def dump_trajectories(path: str | Path, trajectories: Sequence[Trajectory], tokenizer: Any) -> Path:
-    lines = "".join(json.dumps(trajectory_record(t, tokenizer), ensure_ascii=False) + "\n" for t in trajectories)
-    return atomic_write_text(Path(path), lines)

@@ -94,7 +94,8 @@ class TrainerConfig(StrictModel):
     eval_holdout: int = Field(0, ge=0, description="validating without eval_task: the last k prompts, held out")
     eval_n: int = Field(1, ge=1, description="samples per validation prompt")
     eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy")
-    samples_per_step: int = Field(8, ge=0, description="trajectories dumped to samples/step_N.jsonl")
+    samples_per_step: int = Field(8, ge=0, description="trajectories dumped to samples/step_N.jsonl: whole "
+                                  "groups, the fewest that hold at least this many")
     export: bool = Field(True, description="write the final policy as an HF checkpoint to export/")
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: rollout keeps generating while the learner trains (bounded staleness)")

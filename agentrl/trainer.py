@@ -38,9 +38,10 @@ from agentrl.eval.evaluate import answer_format, evaluate
 from agentrl.placement import engine_sleeps, place
 from agentrl.prompt_order import PromptSampler
 from agentrl.rewards import close_reward, score, task_reward
-from agentrl.rollout import ErroredSteps, dump_trajectories, rollout, rollout_metrics
+from agentrl.rollout import ErroredSteps, rollout, rollout_metrics
 from agentrl.run_config import RunConfig
 from agentrl.run_dir import MetricsLog, RunDir
+from agentrl.samples import dump_trajectories, whole_groups
 from agentrl.services import Services
 from agentrl.task import Task
 from agentrl.tools import build_tools
@@ -298,9 +299,9 @@ class Trainer:
     def _record(self, groups: list[Group]) -> dict[str, float]:
         """The step's trajectory samples, and its checkpoint where due."""
         t = self.config.trainer
-        if t.samples_per_step:
-            trajectories = [tr for g in groups for tr in g.trajectories][: t.samples_per_step]
-            dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl", trajectories, self.tokenizer)
+        if t.samples_per_step:  # whole groups, so a prompt's samples can be compared (agentrl view)
+            dump_trajectories(self.run_dir.samples / f"step_{self.step}.jsonl",
+                              whole_groups(groups, t.samples_per_step), self.tokenizer)
         if not self._due(t.save_every):
             return {}
         start = time.perf_counter()

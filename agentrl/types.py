@@ -125,6 +125,9 @@ class Trajectory:
     # Why the trajectory is errored (its fault, not the model's), or None. "tool": a tool's service failed
     # after its retries. An errored trajectory is left out of the loss and counted (rollout/errored/<kind>).
     error: str | None = None
+    # What the learner made of it, where the step computed it (batch.py): "advantage" (the mean over its
+    # trained tokens) and "logprobs" (the learner's of each response token before the step). For the dumps.
+    learner: dict[str, Any] = field(default_factory=dict)
 
     @property
     def response_ids(self) -> list[int]:

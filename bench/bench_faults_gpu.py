@@ -165,7 +165,7 @@ def main() -> None:
     train_s = time.perf_counter() - start
     evals = {run: _eval(qs, run, args.engine) for run in ("code_sft", "code_rl")} if args.eval else {}
 
-    recoveries = {what: [b - a for a, b in zip(faults.killed[what], faults.whole[what])] for what in faults.killed}
+    recoveries = {what: [b - a for a, b in zip(faults.killed[what], faults.whole[what], strict=False)] for what in faults.killed}
     probe_share = [m["timing/probe"] / m["timing/step"] for m in metrics if "timing/probe" in m]
     reward = [m["reward/mean"] for m in metrics]
     last = metrics[-1]
@@ -180,7 +180,7 @@ def main() -> None:
         "reward_first5": sum(reward[:5]) / len(reward[:5]), "reward_last5": sum(reward[-5:]) / len(reward[-5:]),
         "pass@1": evals,
     }
-    print(f"| what | figure |\n|---|---|")
+    print("| what | figure |\n|---|---|")
     print(f"| steps finished | {figures['steps']} of {args.steps} (train {train_s:.0f} s, sft {sft_s:.0f} s) |")
     if stopped:
         print(f"| stopped by | {stopped.splitlines()[0][:300]} |")

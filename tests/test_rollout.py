@@ -15,7 +15,8 @@ from collections import defaultdict
 import pytest
 
 from agentrl.engine import Completion, Sampling, stop_completed_in_last_token
-from agentrl.rollout import RolloutConfig, TrajectoryBuilder, dump_trajectories, rollout, rollout_metrics
+from agentrl.rollout import RolloutConfig, TrajectoryBuilder, rollout, rollout_metrics
+from agentrl.samples import dump_trajectories
 from agentrl.task_spec import Budgets
 from agentrl.tools.formats import (
     SEARCH_R1_INVALID,

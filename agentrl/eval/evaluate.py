@@ -24,6 +24,7 @@ from typing import Any
 
 from agentrl.rewards import Reward, model_text, score
 from agentrl.rollout import RolloutConfig, rollout
+from agentrl.samples import segment_records, tool_call_records
 from agentrl.task_spec import Budgets
 from agentrl.tools import Tool
 from agentrl.tools.formats import ToolFormat
@@ -77,8 +78,8 @@ def sample_record(t: Trajectory, tokenizer: Any, answer_format: str, extra: Rewa
         "correct": bool(t.reward.parts.get("correct", t.reward.score > 0)), "score": t.reward.score,
         "stop_reason": t.stop_reason.value, "turns": t.num_turns, "tool_calls": len(t.tool_records),
         "tool_errors": sum(not r.result.ok for r in t.tool_records), "response_tokens": len(t.response_ids),
-        "ground_truth": t.prompt.ground_truth,
-        "segments": [{"source": s.source, "text": tokenizer.decode(s.token_ids)} for s in t.segments],
+        "ground_truth": t.prompt.ground_truth, "prompt": t.prompt.text,
+        "segments": segment_records(t, tokenizer), "calls": tool_call_records(t),
     }
     if extra is not None:  # QA: token F1 beside exact match
         record["f1"] = extra(text, t.prompt.ground_truth).score

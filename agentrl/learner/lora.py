@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from agentrl.config import ConfigError
