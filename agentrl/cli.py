@@ -348,9 +348,10 @@ def lim(
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run dirs to plot, overlaid (e.g. LIMR, RAND, full).")],
     out: Annotated[Optional[Path], typer.Option(help="Where the PNGs and report.html go; default: FIRST_RUN/report.")] = None,  # noqa: UP045
-    samples: Annotated[int, typer.Option(min=0, help="Sampled trajectories shown per step picked.")] = 2,
+    samples: Annotated[int, typer.Option(min=0, help="Samples of each step picked, in the embedded viewer.")] = 64,
 ) -> None:
-    """PNG plots and one self-contained HTML page of training runs: reward, lengths, tool use, losses, timing."""
+    """PNG plots and one self-contained HTML page of training runs: reward, lengths, tool use, losses, timing,
+    and the trajectory viewer over a few steps of each."""
     from agentrl.config import ConfigError
     from agentrl.report import render
 
@@ -359,6 +360,31 @@ def report(
     except ConfigError as e:
         raise _fail(str(e)) from None
     typer.echo(f"wrote {page} and its PNGs")
+
+
+@app.command("view")
+def view(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run dirs of agentrl train (also while they train) or out "
+                                                        "dirs of agentrl eval; two are shown side by side.")],
+    port: Annotated[int, typer.Option(help="The local port to serve on.")] = 8765,
+    host: Annotated[str, typer.Option(help="The address to bind; on a remote machine keep 127.0.0.1 and "
+                                           "forward the port: ssh -L 8765:127.0.0.1:8765 <machine>.")] = "127.0.0.1",
+) -> None:
+    """A local web page of what the agent did, token by token: steps and their metrics, each step's samples
+    (filter by reward, stop reason, tool use and errors, staleness, text), one trajectory as a conversation
+    with its tool calls, tokens shaded by engine-learner logprob gap, policy version or loss mask, a prompt's
+    group and the same prompt across steps, the metric curves."""
+    import uvicorn
+
+    from agentrl.config import ConfigError
+    from agentrl.view.server import app_for
+
+    try:
+        application = app_for(run_dirs)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"agentrl view: http://{host}:{port}/ (Ctrl-C stops it)")
+    uvicorn.run(application, host=host, port=port, log_level="warning")
 
 
 async def _evaluate(model: str, kind: str, tokenizer: object, seed: int, run: object) -> object:

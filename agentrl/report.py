@@ -4,8 +4,8 @@ It reads what a run dir already holds: `metrics.jsonl` (one line per step) and `
 Each panel plots some metrics against the step, every run overlaid in its own colour (a LIMR run against
 its RAND baseline and the full set, say); a metric no run logged is left out, and a panel with none of
 its metrics is skipped. The timing panel stacks the step's parts (rollout, logprobs, train, weight push,
-...) of each run. The page embeds the PNGs and, for a few steps spread over each run, one or two sampled
-trajectories, the model's text and the tools' outputs marked apart. Files are written whole, then renamed.
+...) of each run. The page embeds the PNGs and the trajectory viewer (agentrl/view/embed.py) over the
+samples of a few steps spread over each run, so the report is one file to share. Files are written whole, then renamed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError, atomic_write_text, read_jsonl
+from agentrl.view.data import open_runs
+from agentrl.view.embed import iframe
 
 # (file name, title, [(metric, label)], y-axis label)
 PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
@@ -110,20 +112,6 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
 
 
-def _trajectory_html(t: dict[str, Any]) -> str:
-    parts = [f'<div class="prompt">{html.escape(str(t.get("prompt", "")))}</div>']
-    for s in t.get("segments", []):
-        cls = "tool" if s.get("source") == "tool" else "model"
-        parts.append(f'<span class="{cls}">{html.escape(str(s.get("text", "")))}</span>')
-    reward = t.get("reward")
-    reward = reward.get("score") if isinstance(reward, dict) else reward
-    head = f"reward {reward:.3g}" if isinstance(reward, (int, float)) else "reward -"
-    if t.get("ground_truth") is not None:
-        head += f" · ground truth {html.escape(str(t['ground_truth']))}"
-    head += f" · stop {html.escape(str(t.get('stop_reason', '-')))}"
-    return f'<div class="traj"><div class="head">{head}</div><pre>{"".join(parts)}</pre></div>'
-
-
 def _picked_steps(steps: list[int], count: int = 3) -> list[int]:
     if len(steps) <= count:
         return steps
@@ -137,8 +125,9 @@ pre{white-space:pre-wrap;background:#fafafa;border:1px solid #ddd;padding:8px;fo
 .head{font-size:12px;color:#444;margin-top:8px}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"""
 
 
-def render(run_dirs: list[Path], out: Path, per_step: int = 2) -> Path:
-    """Write the PNGs and `report.html` for `run_dirs` into `out`; returns the page's path."""
+def render(run_dirs: list[Path], out: Path, per_step: int = 64) -> Path:
+    """Write the PNGs and `report.html` for `run_dirs` into `out`; returns the page's path. The page embeds
+    the trajectory viewer (agentrl/view/) over a few steps spread over each run, `per_step` samples each."""
     if not run_dirs:
         raise ConfigError("give at least one run dir")
     names = [d.resolve().name for d in run_dirs]
@@ -159,17 +148,17 @@ def render(run_dirs: list[Path], out: Path, per_step: int = 2) -> Path:
         cells = [f"{last.get(k):.3g}" if isinstance(last.get(k), (int, float)) else "-"
                  for k in ("reward/mean", "val/score", "rollout/response_length/mean", "tool/calls_per_trajectory")]
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{last['step']}</td><td>{'</td><td>'.join(cells)}</td></tr>")
-    samples_html = []
-    for name, (_, samples) in read.items():
-        for step in _picked_steps(sorted(samples)):
-            trajs = "".join(_trajectory_html(t) for t in samples[step][:per_step])
-            samples_html.append(f"<h3>{html.escape(name)}, step {step}</h3>{trajs}")
+    picked = {}
+    for run in open_runs(list(run_dirs)):  # a few steps spread over each run, as the viewer names them
+        steps = [s["step"] for s in run.steps()]
+        picked[run.name] = [steps[i] for i in _picked_steps(list(range(len(steps))))]
+    viewer = iframe(list(run_dirs), picked, per_step) if any(picked.values()) else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>agentrl report</title>
 <style>{CSS}</style></head><body><h1>agentrl report</h1>
 <table><tr><th>run</th><th>steps</th><th>reward</th><th>val score</th><th>response tokens</th><th>tool calls</th></tr>
 {"".join(rows)}</table><p>Last step's values. Tool outputs are shaded blue in the samples.</p>
 <h2>Curves</h2><div class="grid">{"".join(figures)}</div>
-<h2>Sampled trajectories</h2>{"".join(samples_html) or "<p>No samples were dumped (trainer.samples_per_step 0).</p>"}
+<h2>Sampled trajectories</h2>{viewer or "<p>No samples were dumped (trainer.samples_per_step 0).</p>"}
 </body></html>
 """
     return atomic_write_text(out / "report.html", page)
