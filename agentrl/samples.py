@@ -1,5 +1,6 @@
 """What a step leaves for people to read: its trajectories as JSON records, segment by segment, with the
-per-token arrays the viewer shades (agentrl/view/), dumped to `samples/step_N.jsonl` in whole groups.
+per-token arrays the viewer shades (agentrl/view/), dumped to `samples/step_N.jsonl` in whole groups, with
+a small index beside it (`step_N.index.json`: each sample's summary and where its line starts).
 
 A record's `segments` carry each segment's source (model: trained on; tool: masked), text, token ids, each
 token's text, and for model segments the engine's logprob of each token, the policy version that sampled
@@ -77,5 +78,48 @@ def whole_groups(groups: Sequence[Group], at_least: int) -> list[Trajectory]:
 
 
 def dump_trajectories(path: str | Path, trajectories: Sequence[Trajectory], tokenizer: Any) -> Path:
-    lines = "".join(json.dumps(trajectory_record(t, tokenizer), ensure_ascii=False) + "\n" for t in trajectories)
-    return atomic_write_text(Path(path), lines)
+    """The records of `trajectories` to `path` (JSON lines), and beside it their index (`index_path`)."""
+    records = [trajectory_record(t, tokenizer) for t in trajectories]
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
+    atomic_write_text(Path(path), "".join(lines))
+    offsets = [0]
+    for line in lines[:-1]:
+        offsets.append(offsets[-1] + len(line.encode()))
+    write_index(Path(path), records, offsets)
+    return Path(path)
+
+
+def index_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".jsonl") + ".index.json")
+
+
+def write_index(path: Path, records: Sequence[dict[str, Any]], offsets: Sequence[int]) -> None:
+    """What the viewer lists of a step without reading its samples (agentrl/view/data.py): each record's
+    `summary` and where its line starts, for the file at `path` as it is (its size says so)."""
+    newest = newest_version(records)
+    index = {"size": path.stat().st_size, "offsets": list(offsets),
+             "rows": [summary(i, r, newest) for i, r in enumerate(records)]}
+    atomic_write_text(index_path(path), json.dumps(index, ensure_ascii=False))
+
+
+def newest_version(records: Sequence[dict[str, Any]]) -> int:
+    return max((s.get("version", -1) for r in records for s in r["segments"]), default=-1)
+
+
+def summary(i: int, r: dict[str, Any], newest_version: int) -> dict[str, Any]:
+    """What a list of samples and its filters need of record `r` (a training dump's or an eval sample's):
+    reward, stop reason, tool use and errors, staleness (the step's newest policy version less the oldest
+    that sampled it), the model's first words, and the text a search looks in."""
+    reward = r.get("reward")
+    score = reward.get("score") if isinstance(reward, dict) else r.get("score")
+    calls = r.get("tool_calls") if isinstance(r.get("tool_calls"), list) else r.get("calls", [])
+    versions = [s["version"] for s in r["segments"] if "version" in s]
+    text = "".join(s["text"] for s in r["segments"] if s["source"] == "model")
+    return {
+        "i": i, "prompt_id": str(r.get("id", r.get("prompt_id"))), "sample": r.get("sample", 0), "score": score,
+        "stop_reason": r.get("stop_reason"), "tool_calls": len(calls),
+        "tool_error": any(c.get("error") for c in calls), "error": r.get("error"),
+        "staleness": newest_version - min(versions) if versions and newest_version >= 0 else 0,
+        "advantage": r.get("advantage"), "tokens": sum(s.get("tokens", 0) for s in r["segments"]),
+        "snippet": text[:160], "text": (r.get("prompt", "") + text)[-4000:].lower(),
+    }

@@ -84,6 +84,20 @@ def test_a_dumped_samples_arrays_equal_the_batchs(tiny_tokenizer):
     assert learner == pytest.approx([t.learner["logprobs"][k] for k in model_positions])
 
 
+def test_the_index_written_beside_a_step_is_the_one_read_from_its_samples(run):
+    from agentrl.samples import index_path, newest_version, summary
+
+    path = run / "samples/step_2.jsonl"
+    written = json.loads(index_path(path).read_text())
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written["size"] == path.stat().st_size
+    assert written["rows"] == [summary(i, r, newest_version(records)) for i, r in enumerate(records)]
+    with path.open("rb") as f:
+        for offset, r in zip(written["offsets"], records, strict=True):
+            f.seek(offset)
+            assert json.loads(f.readline()) == r
+
+
 def test_the_api_lists_filters_and_opens_samples_of_a_run_as_it_grows(run, tmp_path):
     live = tmp_path / "live"
     shutil.copytree(run, live, ignore=shutil.ignore_patterns("step_3.jsonl"))

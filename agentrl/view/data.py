@@ -6,9 +6,10 @@ benchmark. Either may still be being written: every read looks at the files as t
 of a run in training appear as they land, and a half-written last line is left for the next read.
 
 A step's file can be large (512 samples of long trajectories), so a page never takes it whole: `index()`
-reads each line once into a small summary (reward, stop reason, tool use, staleness, its first words) and
-remembers where the line starts, and `trajectory()` reads that one line. Summaries are kept per file until
-the file changes (its size or modification time).
+gives each sample's summary (samples.py: reward, stop reason, tool use, staleness, its first words) and
+where its line starts, from the index the trainer wrote beside the step (or, where there is none, an eval
+dir's, by reading each line once), and `trajectory()` reads that one line. Summaries are kept per file
+until the file changes (its size or modification time).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError
+from agentrl.samples import index_path, newest_version, summary
 
 
 @dataclass
@@ -73,11 +75,22 @@ class Run:
         stamp = (stat.st_size, stat.st_mtime_ns)
         cached = self._indexes.get(path)
         if cached is None or cached.stamp != stamp:
-            records, offsets = _lines(path)
-            newest = max((s.get("version", -1) for r in records for s in r["segments"]), default=-1)
-            cached = _Index(stamp, [summary(i, r, newest) for i, r in enumerate(records)], offsets)
+            cached = self._written_index(path, stamp)
+            if cached is None:  # no index beside it, or one of an older file: read the samples themselves
+                records, offsets = _lines(path)
+                newest = newest_version(records)
+                cached = _Index(stamp, [summary(i, r, newest) for i, r in enumerate(records)], offsets)
             self._indexes[path] = cached
         return cached
+
+    @staticmethod
+    def _written_index(path: Path, stamp: tuple[int, int]) -> _Index | None:
+        """The index the trainer wrote beside a step's samples (samples.py), where it is of the file as it is."""
+        written = index_path(path)
+        if not written.exists():
+            return None
+        index = json.loads(written.read_text())
+        return _Index(stamp, index["rows"], index["offsets"]) if index["size"] == stamp[0] else None
 
     def trajectory(self, step: str, i: int) -> dict[str, Any]:
         index = self._index(step)
@@ -92,23 +105,6 @@ class Run:
         """Every sample of `prompt_id` in every step: step, index, sample, reward."""
         return [{"step": step, **row} for step in self._files() for row in self.index(step)
                 if row["prompt_id"] == prompt_id]
-
-
-def summary(i: int, r: dict[str, Any], newest_version: int) -> dict[str, Any]:
-    """What the list and its filters need of record `r` (a training dump's or an eval sample's)."""
-    reward = r.get("reward")
-    score = reward.get("score") if isinstance(reward, dict) else r.get("score")
-    calls = r.get("tool_calls") if isinstance(r.get("tool_calls"), list) else r.get("calls", [])
-    versions = [s["version"] for s in r["segments"] if "version" in s]
-    text = "".join(s["text"] for s in r["segments"] if s["source"] == "model")
-    return {
-        "i": i, "prompt_id": str(r.get("id", r.get("prompt_id"))), "sample": r.get("sample", 0), "score": score,
-        "stop_reason": r.get("stop_reason"), "tool_calls": len(calls),
-        "tool_error": any(c.get("error") for c in calls), "error": r.get("error"),
-        "staleness": newest_version - min(versions) if versions and newest_version >= 0 else 0,
-        "advantage": r.get("advantage"), "tokens": sum(s.get("tokens", 0) for s in r["segments"]),
-        "snippet": text[:160], "text": (r.get("prompt", "") + text)[-4000:].lower(),
-    }
 
 
 def _lines(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
