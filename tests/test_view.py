@@ -6,6 +6,7 @@ temporary directory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
@@ -155,21 +156,30 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture
-def served(run):
+@contextlib.contextmanager
+def serving(paths: list[Path]):
+    """`agentrl view`'s app over `paths` on a free loopback port, in a thread; yields its URL."""
     import uvicorn
 
     from agentrl.learner.fsdp import free_port
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app_for([run]), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app_for(paths), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)  # polling the server's own started flag, not a fixed wait
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def served(run):
+    with serving([run]) as url:
+        yield url
 
 
 def _wait(driver, css, count=None):
@@ -213,6 +223,16 @@ def test_the_page_filters_shows_a_trajectory_shades_it_and_follows_a_prompt(brow
     _wait(d, "#curves svg polyline")
     d.save_screenshot(str(tmp_path / "curves.png"))
     assert (tmp_path / "trajectory.png").stat().st_size > 10_000
+
+
+def test_two_runs_are_shown_side_by_side(browser, run, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    with serving([run, other]) as url:
+        browser.get(url)
+        _wait(browser, ".pane .step", 6)  # each pane lists its run's 3 steps
+        panes = browser.find_elements("css selector", ".pane select.run")
+        assert [p.get_attribute("value") for p in panes] == [run.name, "other"]
 
 
 def test_the_report_embeds_the_viewer_in_its_one_file(browser, run, tmp_path):
