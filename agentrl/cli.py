@@ -154,10 +154,8 @@ def tasks_check(
     out: Annotated[Optional[Path], typer.Option(help="Write config.yaml, results.jsonl, summary.json here.")] = None,  # noqa: UP045
     show_failures: Annotated[int, typer.Option(help="How many failures to list.")] = 20,
 ) -> None:
-    """Grade a reference field of every row (e.g. MATH's `solution`) with the task's reward.
-
-    A check that answer extraction and the grader agree with the dataset before training on it.
-    """
+    """Grade a reference field of every row (e.g. MATH's `solution`) with the task's reward: a check that answer
+    extraction and the grader agree with the dataset before training on it."""
     from rich.console import Console
     from rich.table import Table
 
@@ -364,16 +362,11 @@ def report(
 
 @app.command("view")
 def view(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run dirs of agentrl train (also while they train) or out "
-                                                        "dirs of agentrl eval; two are shown side by side.")],
-    port: Annotated[int, typer.Option(help="The local port to serve on.")] = 8765,
-    host: Annotated[str, typer.Option(help="The address to bind; on a remote machine keep 127.0.0.1 and "
-                                           "forward the port: ssh -L 8765:127.0.0.1:8765 <machine>.")] = "127.0.0.1",
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run dirs (also while training) or eval dirs.")],
+    port: Annotated[int, typer.Option(help="The local port.")] = 8765,
+    host: Annotated[str, typer.Option(help="Keep 127.0.0.1; remote: ssh -L 8765:127.0.0.1:8765 <machine>.")] = "127.0.0.1",
 ) -> None:
-    """A local web page of what the agent did, token by token: steps and their metrics, each step's samples
-    (filter by reward, stop reason, tool use and errors, staleness, text), one trajectory as a conversation
-    with its tool calls, tokens shaded by engine-learner logprob gap, policy version or loss mask, a prompt's
-    group and the same prompt across steps, the metric curves."""
+    """A local web page of what the agent did, token by token (README: agentrl view)."""
     import uvicorn
 
     from agentrl.config import ConfigError

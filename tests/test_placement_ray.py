@@ -91,6 +91,22 @@ def test_asynchronous_training_in_split_mode_keeps_the_staleness_bound_and_tags_
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_3"
 
 
+def test_lora_on_ray_trains_the_adapter_on_two_ranks_and_pushes_it_alone_to_both_engines(cluster, tmp_path):
+    from agentrl.build import build_lm
+    from agentrl.learner import lora
+
+    run_dir = tmp_path / "run"
+    cfg = config(run_dir, *on_ray(cluster, "model.lora.rank=4", "model.lora.alpha=8", "trainer.eval_every=0",
+                                  "learner.optim.lr=0.01"))
+    adapter_bytes = 4 * sum(p.numel() for n, p in lora.add_lora(build_lm(cfg), cfg.model.lora).named_parameters()
+                            if lora.is_adapter(n))
+    train(cfg)
+    metrics = steps(run_dir)
+    assert [m["sync/bytes"] for m in metrics] == [adapter_bytes] * 2  # the adapter, gathered from both ranks
+    assert all(m["sync/probe_gap"] < 1e-4 for m in metrics)  # both engines probed after each push
+    assert (run_dir / "export/adapter/adapter_config.json").exists()
+
+
 @pytest.mark.parametrize("victim", ["rank", "engine"])
 def test_a_dead_actor_fails_the_run_naming_it_and_the_run_resumes(cluster, tmp_path, victim):
     import asyncio
