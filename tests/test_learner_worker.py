@@ -335,3 +335,41 @@ def test_the_schedule_counts_trainer_steps_whatever_the_mini_batches(monkeypatch
         assert metrics["actor/lr"] == pytest.approx(expected(step), rel=1e-9), step
         assert metrics["critic/lr"] == pytest.approx(expected(step), rel=1e-9), step
         assert metrics["actor/lr"] > lr * floor if step < steps else True
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_mfu_is_the_updates_flops_against_the_peak_set(lora: bool) -> None:
+    """perf/actor_mfu: 6·N per token for full training (4·N plus 2 per trained parameter with a frozen base),
+    over the update's own time, against learner.peak_tflops; none logged where no peak is known."""
+    from agentrl.learner.config import LoraSpec
+
+    lm = tiny_lm()
+    n = sum(p.numel() for p in lm.parameters())
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"]) if lora else None
+    worker = PolicyWorker(LearnerConfig(device="cpu", token_budget=4096, peak_tflops=1e-3, lora=spec), AlgoConfig(),
+                          model=lm)
+    trained = sum(p.numel() for p in worker.module.parameters() if p.requires_grad)
+    assert worker.flops_per_token == (4 * (n + trained) + 2 * trained if lora else 6 * n)  # n: the base
+    batch = pack(trajectories(4), 4096, 1)[0]
+    batch.set("advantages", torch.ones_like(worker.compute_logprobs(batch)))
+    m = worker.train_step(batch)
+    assert m["perf/actor_mfu"] == pytest.approx(worker.flops_per_token * m["perf/actor_tokens_per_s"] / 1e9)
+    plain = PolicyWorker(LearnerConfig(device="cpu", token_budget=4096), AlgoConfig(), model=tiny_lm())
+    assert "perf/actor_mfu" not in plain.train_step(_with_advantages(plain, batch))
+
+
+def _with_advantages(worker: PolicyWorker, batch: Batch) -> Batch:
+    batch.set("advantages", torch.ones_like(worker.compute_logprobs(batch)))
+    return batch
+
+
+@pytest.mark.parametrize(("name", "tflops"), [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                              ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                              ("Some Other GPU", None)])
+def test_known_gpus_peaks_are_built_in_and_a_set_peak_wins(monkeypatch, name: str, tflops: float | None) -> None:
+    from agentrl.learner.worker import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda"), None) == (tflops * 1e12 if tflops else None)
+    assert peak_flops(torch.device("cuda"), 500.0) == 500e12
+    assert peak_flops(torch.device("cpu"), None) is None

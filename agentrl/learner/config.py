@@ -80,6 +80,9 @@ class LearnerConfig(StrictModel):
         True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
     )
     seed: int = 0
+    peak_tflops: float | None = Field(None, gt=0, description="the device's dense 16-bit peak, the denominator of "
+                                      "perf/<role>_mfu; default: built in for known GPUs (worker.PEAK_TFLOPS), "
+                                      "none on a CPU (no MFU logged)")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraSpec | None = Field(None, description="train LoRA adapters instead of the full weights (set from "
                                                      "model.lora)")

@@ -98,6 +98,31 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# Dense 16-bit (bf16 / fp16) tensor-core peaks, TFLOP/s, by a name the device's name contains; the first
+# that matches wins (an H100 PCIe before the SXM part). Vendors' figures without sparsity.
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
+               ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0))
+
+
+def peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:
+    """FLOP/s the device peaks at: `configured_tflops` (learner.peak_tflops) if set, else a known GPU's."""
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for part, tflops in PEAK_TFLOPS if part in name), None)
+
+
+def flops_per_token(module: nn.Module) -> float:
+    """Training FLOPs a token costs: 2N forward and 2N for the gradients of the activations over all N
+    parameters, 2 per trained parameter for their weight gradients: 6N for full training (6·N·T), about 4N
+    for a LoRA policy whose base is frozen. Recomputation (activation checkpointing) is not counted."""
+    total = sum(p.numel() for p in module.parameters())  # a DTensor's numel is the whole tensor's
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return 4.0 * total + 2.0 * trained
+
+
 class Worker:
     """One role's sharded module, optimizer and step counters. `hf_model` is the HF model inside `module`
     whose attention is switched to packed attention and whose decoder blocks are sharded one by one;
@@ -139,6 +164,8 @@ class Worker:
         trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trained, config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim) if self.optimizer else None
+        self.flops_per_token = flops_per_token(self.module)
+        self.peak_flops = peak_flops(ctx.device, config.peak_tflops)
         self.steps = 0  # optimizer steps taken
         # The schedule counts trainer steps (`end_step`), not optimizer steps: warmup and cosine lengths are
         # then the run's steps whatever its mini-batches and PPO epochs, as veRL's recipes count them.
@@ -203,6 +230,8 @@ class Worker:
         out = {f"{self.role}/{k}": v for k, v in metrics.items()}
         out[f"perf/{self.role}_tokens"] = tokens
         out[f"perf/{self.role}_tokens_per_s"] = tokens / elapsed
+        if self.peak_flops:  # per device, over the update's own time
+            out[f"perf/{self.role}_mfu"] = self.flops_per_token * tokens / self.ctx.world_size / elapsed / self.peak_flops
         return out
 
     def _accumulate(self, micro_batches: list[MicroBatch], micro_loss: Callable[[MicroBatch], tuple[Tensor, dict[str, Tensor]]],
