@@ -188,7 +188,7 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "gae"])  # gae: the critic with an adapter of its own
+@pytest.mark.parametrize("advantage", ["grpo", pytest.param("gae", marks=pytest.mark.slow)])  # gae: the critic's own adapter
 def test_a_lora_run_pushes_only_the_adapter_checks_every_push_and_exports_both(tmp_path, in_repo, advantage):
     from agentrl.build import build_lm
     from agentrl.trainer import train
@@ -205,6 +205,7 @@ def test_a_lora_run_pushes_only_the_adapter_checks_every_push_and_exports_both(t
     assert (run / "export/config.json").exists() and (run / "export/adapter/adapter_config.json").exists()
 
 
+@pytest.mark.slow
 def test_a_lora_push_that_never_arrives_fails_the_run(tmp_path, in_repo, monkeypatch):
     from agentrl.learn import Learner
     from agentrl.trainer import train
