@@ -90,9 +90,13 @@ def build_engine(config: RunConfig, *, seed: int, model_dir: str | None = None, 
 
     model = lm if lm is not None else build_lm(config)
     if config.model.lora is not None:  # base + adapter, as the learner holds them; pushes replace the adapter
-        from agentrl.learner.lora import add_lora
+        from agentrl.learner.lora import add_lora, round_base
 
         model = add_lora(model, config.model.lora)
+        learner = config.learner
+        on_gpu = learner.device == "cuda" or (learner.device == "auto" and torch.cuda.is_available())
+        if learner.precision == "bf16" or (learner.precision == "auto" and on_gpu):
+            round_base(model, torch.bfloat16)  # the learner keeps its frozen base in bf16; no push sends it
     return HFEngine(model.to(engine_device(e.device)), tokenizer if tokenizer is not None else run_tokenizer(config),
                     max_batch=e.max_batch, seed=seed)
 

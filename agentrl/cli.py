@@ -373,7 +373,7 @@ def view(
     from agentrl.view.server import app_for
 
     try:
-        application = app_for(run_dirs)
+        application = app_for(run_dirs, ("127.0.0.1", "localhost", host))
     except ConfigError as e:
         raise _fail(str(e)) from None
     typer.echo(f"agentrl view: http://{host}:{port}/ (Ctrl-C stops it)")

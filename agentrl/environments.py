@@ -20,18 +20,21 @@ first turn, sends each call to it or to the task's shared tools (the sandbox, th
 servers: `ToolSet`, the environment every tool task has), and closes it when the trajectory ends, also on
 errors and cancellation. A step that reports `done` ends the trajectory (stop reason `done`); its rewards
 are kept in the trajectory's tool records, and the `environment` reward sums them (rewards/). Sync methods
-run in a thread, async ones on the loop. What fails, and what follows:
+run in a pool of threads (`threads`), async ones on the loop; a timeout counts from when the call starts.
+What fails, and what follows:
 
 - a call's arguments do not fit the method, or the method raises: an observation (`bad_arguments`,
   `tool_error`), the model goes on, as with any tool;
 - `reset` raises, or a method outruns `timeout_s` (its state is unknown from then on): the trajectory is
   errored (`rollout/errored/environment`), left out of the loss and counted; the run goes on;
-- `close` raises: logged; the trajectory keeps its result.
+- `close` raises: logged; the trajectory keeps its result. `close` waits for a call still running in its
+  thread (one past its timeout) to return, for up to `timeout_s`, and is not cut short by a cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import time
@@ -91,7 +94,7 @@ def load_environment(ref: str) -> type[Environment]:
     or a tool that is not a method of it)."""
     cls = load_function(ref)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"{ref!r} is {cls!r}, not a subclass of agentrl.Environment")
+        raise ValueError(f"{ref!r} is {cls!r}, not a subclass of agentrl.environments.Environment")
     if not cls.tools:
         raise ValueError(f"{ref!r}: its `tools` lists no method for the model to call")
     for name in cls.tools:
@@ -109,6 +112,15 @@ class Environments:
         self.cls = load_environment(spec.class_)
         self.names = tuple(self.cls.tools)
         self.timeout_s = spec.timeout_s
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where the sync methods run: a pool of the environments' own (a timeout counts from a call's start,
+        so a call waiting here for a thread is not charged for the wait)."""
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(self.spec.threads, "agentrl-env")
+        return self._threads
 
     @property
     def schemas(self) -> list[dict]:
@@ -136,13 +148,15 @@ class Episode:
     def __init__(self, tools: ToolSet, environments: Environments | None) -> None:
         self.tools, self.environments = tools, environments
         self.env: Environment | None = None
+        self._running: asyncio.Future | None = None  # the last sync call sent to a thread
+        self._closed = False
 
     async def reset(self, row: dict[str, Any]) -> None:
         """Make and reset the trajectory's environment object; EnvironmentFailed when that fails."""
         if self.environments is None:
             return
         try:
-            self.env = await asyncio.to_thread(self.environments.new)
+            self.env = await self._run(self.environments.new)
             await self._run(self.env.reset, row)
         except EnvironmentFailed:
             raise
@@ -151,7 +165,7 @@ class Episode:
 
     async def step(self, call: ToolCall) -> tuple[ToolResult, bool]:
         """The call's result and whether the episode is done; EnvironmentFailed when the environment can no
-        longer be trusted (it outran its timeout)."""
+        longer be trusted (it outran its timeout, or answered with something other than a Step or text)."""
         if self.env is None or call.name not in self.environments.names:
             return await self.tools.step(call), False
         t0 = time.perf_counter()
@@ -165,15 +179,19 @@ class Episode:
             return ToolResult(f"Error: {type(e).__name__}: {e}", error="tool_error",
                               latency_s=time.perf_counter() - t0), False
         step = value if isinstance(value, Step) else Step(value) if isinstance(value, str) else None
-        if step is None:
-            raise EnvironmentFailed(f"{call.name} returned a {type(value).__name__}; expected a Step or text")
-        metadata = {} if step.reward is None else {"reward": float(step.reward)}
-        return ToolResult(step.observation, latency_s=time.perf_counter() - t0, metadata=metadata), step.done
+        if step is None or not isinstance(step.observation, str):
+            raise EnvironmentFailed(f"{call.name} returned {value!r:.80}; expected a Step or text")
+        try:
+            metadata = {} if step.reward is None else {"reward": float(step.reward)}
+        except (TypeError, ValueError):
+            raise EnvironmentFailed(f"{call.name} returned the reward {step.reward!r:.40}; expected a number") from None
+        return ToolResult(step.observation, latency_s=time.perf_counter() - t0, metadata=metadata), bool(step.done)
 
     async def run(self, calls: list[ToolCall], given: dict[int, ToolResult]) -> tuple[list[ToolResult], bool]:
         """The results of one turn's `calls` (those in `given` already answered, by index) and whether the
-        episode is done. Calls to the shared tools run together; an environment's run one after another, in
-        the model's order, up to the one that ends the episode."""
+        episode is done. Without an environment object the calls run together; with one, every call runs one
+        after another in the model's order (the object's state is the trajectory's), up to the one that ends
+        the episode."""
         async def one(i: int, call: ToolCall) -> tuple[ToolResult, bool]:
             return (given[i], False) if i in given else await self.step(call)
 
@@ -188,22 +206,58 @@ class Episode:
         return [r for r, _ in out], any(done for _, done in out)
 
     async def close(self) -> None:
-        if self.env is None:
+        """Close the environment object once, after the call it may still be running (one that outran its
+        timeout, or the making of the object when the rollout was cancelled meanwhile) has returned or had
+        `timeout_s` more; never cut short by a cancellation."""
+        if self._closed:
             return
-        env, self.env = self.env, None
+        self._closed = True
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        running, env, self.env = self._running, self.env, None
+        if running is not None and not running.done():
+            await asyncio.wait({running}, timeout=self.environments.timeout_s if self.environments else None)
+        if (env is None and running is not None and running.done() and not running.cancelled()
+                and running.exception() is None and isinstance(running.result(), Environment)):
+            env = running.result()  # made while the trajectory was cancelled: closed all the same
+        if env is None:
+            return
         try:
             await self._run(env.close)
         except Exception as e:  # noqa: BLE001 - the trajectory is already whole; a failed cleanup is the env's
             log.warning("environment %s: close failed: %s: %s", type(env).__name__, type(e).__name__, e)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        """`fn(*args)` within the timeout: an async method on the loop, a sync one in a thread."""
+        """`fn(*args)` within the timeout, counted from when it starts: an async method on the loop, a sync
+        one in the environments' threads. EnvironmentFailed when the timeout expires; an exception the method
+        raises itself (a TimeoutError of its own included) is the method's."""
         timeout = self.environments.timeout_s
+        name = getattr(fn, "__name__", repr(fn))
+        if inspect.iscoroutinefunction(fn):
+            call: Any = fn(*args)
+        else:
+            loop = asyncio.get_running_loop()
+            started = asyncio.Event()
+
+            def in_thread() -> Any:
+                loop.call_soon_threadsafe(started.set)
+                return fn(*args)
+
+            self._running = loop.run_in_executor(self.environments.threads, in_thread)
+            try:
+                await started.wait()
+            except asyncio.CancelledError:
+                self._running.cancel()  # not started yet: it never will; started: close waits for it
+                raise
+            call = asyncio.shield(self._running)  # a thread cannot be stopped: the wait for it can
         try:
-            value = await asyncio.wait_for(fn(*args) if inspect.iscoroutinefunction(fn)
-                                           else asyncio.to_thread(fn, *args), timeout)
-            if inspect.isawaitable(value):  # the base step running an async tool method
-                value = await asyncio.wait_for(value, timeout)
+            async with asyncio.timeout(timeout) as deadline:
+                value = await call
+                if inspect.isawaitable(value):  # the base step running an async tool method
+                    value = await value
         except TimeoutError:
-            raise EnvironmentFailed(f"{getattr(fn, '__name__', fn)} did not return within {timeout:g}s") from None
+            if deadline.expired():
+                raise EnvironmentFailed(f"{name} did not return within {timeout:g}s") from None
+            raise
         return value

@@ -156,7 +156,7 @@ def render(run_dirs: list[Path], out: Path, per_step: int = 64) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>agentrl report</title>
 <style>{CSS}</style></head><body><h1>agentrl report</h1>
 <table><tr><th>run</th><th>steps</th><th>reward</th><th>val score</th><th>response tokens</th><th>tool calls</th></tr>
-{"".join(rows)}</table><p>Last step's values. Tool outputs are shaded blue in the samples.</p>
+{"".join(rows)}</table><p>Last step's values. Tool outputs are marked grey in the trajectories.</p>
 <h2>Curves</h2><div class="grid">{"".join(figures)}</div>
 <h2>Sampled trajectories</h2>{viewer or "<p>No samples were dumped (trainer.samples_per_step 0).</p>"}
 </body></html>

@@ -5,7 +5,8 @@ budget left, takes the engine's `Completion` (kept as a model segment, ids and l
 sampled), decodes those ids (never the engine's text) and lets the task's tool format (tools/formats.py)
 decide: run tools, show an invalid-action message, or stop with exactly one `StopReason`. Each trajectory's
 calls go to its own `Episode` (environments.py): the object of the task's environment class for the tools
-it defines, reset before the first turn and closed after the last, and the shared tools (tools/) for the
+it defines, reset before the first turn and closed after the last (in `turn_sync` mode, when the whole
+rollout ends), and the shared tools (tools/) for the
 rest; a call past its tool's own budget is answered without running. Results are rendered, tokenized on
 their own and appended as a masked tool segment. A failed tool is an observation, never an exception. Every model turn, however it ended, is also judged void or not by the
 format (SimpleTIR's void turn, `ToolFormat.is_void`); the trajectory carries the count in `timings`, which

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field, model_validator
 
 from agentrl.algo import AlgoConfig
@@ -277,10 +278,11 @@ def load_run_config(path: str | os.PathLike[str], overrides: list[str] | tuple[s
     the other overrides apply, so `--set task=FILE --set task.budgets.max_turns=4` changes that file's task."""
     data = read_yaml(path)
     rest = []
-    for text in overrides:
+    for text in overrides:  # `--set task=FILE`: a file to inline (null and a mapping go through as any value)
         key, sep, value = text.partition("=")
-        if sep and key.strip() in ("task", "eval_task"):
-            data[key.strip()] = value.strip()
+        parsed = yaml.safe_load(value) if sep else None
+        if sep and key.strip() in ("task", "eval_task") and isinstance(parsed, str):
+            data[key.strip()] = parsed
         else:
             rest.append(text)
     overrides = rest

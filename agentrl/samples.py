@@ -82,9 +82,10 @@ def dump_trajectories(path: str | Path, trajectories: Sequence[Trajectory], toke
     records = [trajectory_record(t, tokenizer) for t in trajectories]
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
     atomic_write_text(Path(path), "".join(lines))
-    offsets = [0]
-    for line in lines[:-1]:
-        offsets.append(offsets[-1] + len(line.encode()))
+    offsets, at = [], 0
+    for line in lines:
+        offsets.append(at)
+        at += len(line.encode())
     write_index(Path(path), records, offsets)
     return Path(path)
 
@@ -95,9 +96,10 @@ def index_path(path: Path) -> Path:
 
 def write_index(path: Path, records: Sequence[dict[str, Any]], offsets: Sequence[int]) -> None:
     """What the viewer lists of a step without reading its samples (agentrl/view/data.py): each record's
-    `summary` and where its line starts, for the file at `path` as it is (its size says so)."""
+    `summary` and where its line starts, for the file at `path` as it is (its size and time say so)."""
     newest = newest_version(records)
-    index = {"size": path.stat().st_size, "offsets": list(offsets),
+    stat = path.stat()
+    index = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "offsets": list(offsets),
              "rows": [summary(i, r, newest) for i, r in enumerate(records)]}
     atomic_write_text(index_path(path), json.dumps(index, ensure_ascii=False))
 
@@ -109,17 +111,20 @@ def newest_version(records: Sequence[dict[str, Any]]) -> int:
 def summary(i: int, r: dict[str, Any], newest_version: int) -> dict[str, Any]:
     """What a list of samples and its filters need of record `r` (a training dump's or an eval sample's):
     reward, stop reason, tool use and errors, staleness (the step's newest policy version less the oldest
-    that sampled it), the model's first words, and the text a search looks in."""
+    that sampled it), the model's first words, and the text a search looks in (prompt, model and tool text,
+    its first 20,000 characters)."""
     reward = r.get("reward")
     score = reward.get("score") if isinstance(reward, dict) else r.get("score")
     calls = r.get("tool_calls") if isinstance(r.get("tool_calls"), list) else r.get("calls", [])
     versions = [s["version"] for s in r["segments"] if "version" in s]
     text = "".join(s["text"] for s in r["segments"] if s["source"] == "model")
+    everything = r.get("prompt", "") + "".join(s["text"] for s in r["segments"])
     return {
         "i": i, "prompt_id": str(r.get("id", r.get("prompt_id"))), "sample": r.get("sample", 0), "score": score,
         "stop_reason": r.get("stop_reason"), "tool_calls": len(calls),
         "tool_error": any(c.get("error") for c in calls), "error": r.get("error"),
         "staleness": newest_version - min(versions) if versions and newest_version >= 0 else 0,
+        "newest_version": newest_version,
         "advantage": r.get("advantage"), "tokens": sum(s.get("tokens", 0) for s in r["segments"]),
-        "snippet": text[:160], "text": (r.get("prompt", "") + text)[-4000:].lower(),
+        "snippet": text[:160], "text": everything[:20_000].lower(),
     }

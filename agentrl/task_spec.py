@@ -183,10 +183,11 @@ class EnvironmentSpec(StrictModel):
                               serialize_by_alias=True)  # written back as `class`, as users write it
 
     class_: str = Field(alias="class", description="'path/to/file.py:Name' or 'package.module:Name', a subclass "
-                                                   "of agentrl.Environment")
+                                                   "of agentrl.environments.Environment")
     params: dict[str, Any] = Field({}, description="the keyword arguments each object is made with")
     timeout_s: float = Field(30.0, gt=0, description="reset, a step or close still running after this errors "
                                                      "the trajectory")
+    threads: int = Field(16, ge=1, description="threads that run the class's sync methods, for all trajectories")
 
     @model_validator(mode="after")
     def _ref(self) -> EnvironmentSpec:
@@ -320,6 +321,9 @@ class TaskSpec(StrictModel):
             if name not in self.tools.all_names and not (self.tools.mcp or self.tools.environment):
                 raise ValueError(f"budgets.max_calls_per_tool names {name!r}, which is not a tool of this task; "
                                  f"its tools: {', '.join(self.tools.all_names) or 'none'}")
+        if self.reward.name == "environment" and self.tools.environment is None:
+            raise ValueError("reward 'environment' sums the rewards a task's environment gives; this task has no "
+                             "tools.environment")
         if b.observation_max_chars is not None and self.tools.format not in ("torl", "tags"):
             raise ValueError(f"budgets.observation_max_chars is ToRL's head-and-tail cut; the {self.tools.format} "
                              "format does not apply it: use budgets.observation_max_tokens")

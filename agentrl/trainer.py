@@ -99,7 +99,9 @@ class Trainer:
         self.learning = asyncio.Lock()  # held while the learner's weights change
         self.fmt = build_format(spec.tools.format, tokenizer=self.tokenizer, names=spec.tools.all_names,
                                 observation_max_chars=spec.budgets.observation_max_chars)
-        self.environments = Task(spec, source="task").environments  # the task's environment class, if any
+        task = Task(spec, source="task")
+        task.tool_schemas  # noqa: B018 - every tool checked now (a function standing in for a service too)
+        self.environments = task.environments  # the task's environment class, if any
         self.reward = task_reward(spec.reward, spec.tools.workers)
         self.services = Services(list(spec.tools.names), config.services, self.run_dir.root / "logs")
         self.tools = build_tools(self.services.urls, spec.tools.search_topk, self.services.sandbox_token,
@@ -131,9 +133,11 @@ class Trainer:
                         task.cancel()
                     await asyncio.gather(*background, return_exceptions=True)
         finally:
-            for tool in self.tools.values():
-                await tool.aclose()
-            close_reward(self.reward)
+            try:
+                for tool in self.tools.values():
+                    await tool.aclose()
+            finally:
+                close_reward(self.reward)
         if self.config.trainer.export:
             self.learner.export(str(self.run_dir.export), self.tokenizer)
         return self.run_dir

@@ -82,7 +82,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "run"
         step_bytes = make_run(root, args.steps, args.samples, args.turn_tokens)
-        client = TestClient(app_for([root]))
+        client = TestClient(app_for([root]), base_url="http://127.0.0.1")
         rows = []
         t, runs = timed(lambda: client.get("/api/runs"))
         rows.append(("list the runs and their steps", t, len(runs.content)))
@@ -103,7 +103,7 @@ def main() -> None:
         t, across = timed(lambda: client.get("/api/runs/run/prompts/p3"), repeats=1)
         rows.append((f"a prompt across all {args.steps} steps (every index read)", t, len(across.content)))
         (root / "samples/step_9.index.json").unlink()  # a step without its index: read the samples instead
-        fresh = TestClient(app_for([root]))  # nothing cached
+        fresh = TestClient(app_for([root]), base_url="http://127.0.0.1")  # nothing cached
         t, page = timed(lambda: fresh.get("/api/runs/run/steps/9"), repeats=1)
         rows.append(("open a step without its index (read whole once)", t, len(page.content)))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -28,7 +29,7 @@ BUDGETS = Budgets(max_turns=6, max_tool_calls=5, max_response_tokens=600)
 class Counter(Environment):
     """Counts up from the row's `start`; every object records what happened to it, for the test to read."""
 
-    tools = ("add", "stop", "boom", "hang", "wrong")
+    tools = ("add", "stop", "boom", "hang", "wrong", "own_timeout", "bad_reward", "work")
     made: list[Counter] = []
 
     def __init__(self, fail_reset: bool = False) -> None:
@@ -68,6 +69,19 @@ class Counter(Environment):
         """Return the wrong type."""
         return 3
 
+    def own_timeout(self) -> str:
+        """Raise a TimeoutError of its own (a socket's, say)."""
+        raise TimeoutError("the board's server timed out")
+
+    def bad_reward(self) -> Step:
+        """Reward with something that is not a number."""
+        return Step("ok", reward="good")  # type: ignore[arg-type]
+
+    def work(self) -> str:
+        """Take a while, as a simulator's step does."""
+        time.sleep(0.3)  # the environment's own work: the test is about how long it waits for a thread
+        return "worked"
+
     def close(self):
         self.events.append(("close",))
         self.release.set()
@@ -83,14 +97,14 @@ def call(name, **arguments):
 def envs():
     Counter.made.clear()
 
-    def make(**params):
+    def make(threads=16, **params):
         return Environments(EnvironmentSpec.model_validate({"class": "tests.test_environments:Counter", "params": params,
-                                                            "timeout_s": 0.5}))
+                                                            "timeout_s": 0.5, "threads": threads}))
     return make
 
 
-def go(tok, envs, scripts, n=1, mode="async", **params):
-    environments = envs(**params)
+def go(tok, envs, scripts, n=1, mode="async", threads=16, **params):
+    environments = envs(threads, **params)
     fmt = HermesFormat(tok, environments.schemas)
     prompts = [Prompt(pid, "Q", tuple(tok.encode("Q")), "Q", "0", {"row": {"start": 10 * i}})
                for i, pid in enumerate(scripts)]
@@ -127,6 +141,25 @@ def test_failures_are_observations_or_errored_trajectories(qwen_tokenizer, envs)
         assert by_id[pid].stop_reason == StopReason.ERRORED and by_id[pid].error == "environment"
         assert by_id[pid].num_turns == 1
     assert all(e.events[-1] == ("close",) for e in Counter.made)
+
+
+def test_a_methods_own_timeout_is_its_error_and_a_reward_not_a_number_errors_only_its_trajectory(qwen_tokenizer, envs):
+    scripts = {"own": [call("own_timeout"), call("stop")], "bad": [call("bad_reward"), call("stop")],
+               "fine": [call("add", n=1), call("stop")]}
+    by_id = {t.prompt.id: t for t in go(qwen_tokenizer, envs, scripts)}
+    own = by_id["own"]
+    assert own.tool_records[0].result.error == "tool_error" and "timed out" in own.tool_records[0].result.text
+    assert own.stop_reason == StopReason.DONE and own.error is None
+    assert by_id["bad"].error == "environment" and by_id["fine"].stop_reason == StopReason.DONE
+
+
+def test_a_call_waiting_for_a_thread_is_not_charged_for_the_wait(qwen_tokenizer, envs):
+    """Four trajectories, one thread: each step takes 0.3 s of the 0.5 s allowed, the last waits 0.9 s for
+    the thread, and none is errored: the timeout counts from a call's start."""
+    scripts = {f"p{i}": [call("work"), call("stop")] for i in range(4)}
+    trajectories = go(qwen_tokenizer, envs, scripts, threads=1)
+    assert [t.error for t in trajectories] == [None] * 4
+    assert all(t.tool_records[0].result.text == "worked" for t in trajectories)
 
 
 def test_a_failed_reset_errors_the_trajectory_before_any_turn(qwen_tokenizer, envs):
@@ -169,7 +202,7 @@ def test_the_environment_reward_sums_the_steps_rewards(qwen_tokenizer, envs):
 @pytest.mark.parametrize(("ref", "message"), [
     ("examples/envs/nope.py:X", "no file"),
     ("examples/envs/guess.py:Nope", "has no 'Nope'"),
-    ("examples/tools/units.py:convert", "not a subclass of agentrl.Environment"),
+    ("examples/tools/units.py:convert", "not a subclass of agentrl.environments.Environment"),
 ])
 def test_bad_environment_classes_are_config_errors_naming_the_key(monkeypatch, ref, message):
     monkeypatch.chdir(REPO)

@@ -365,7 +365,8 @@ def _with_advantages(worker: PolicyWorker, batch: Batch) -> Batch:
 
 @pytest.mark.parametrize(("name", "tflops"), [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                               ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-                                              ("Some Other GPU", None)])
+                                              ("NVIDIA H100 NVL", 835.0), ("NVIDIA L40", 181.0),
+                                              ("NVIDIA L4", 121.0), ("Some Other GPU", None)])
 def test_known_gpus_peaks_are_built_in_and_a_set_peak_wins(monkeypatch, name: str, tflops: float | None) -> None:
     from agentrl.learner.worker import peak_flops
 

@@ -77,6 +77,25 @@ def test_only_the_adapter_trains_and_the_base_is_kept_in_the_compute_dtype():
     assert sum(len(g["params"]) for g in worker.optimizer.param_groups) == len(trained)
 
 
+def test_the_base_can_score_before_the_first_update_in_bf16():
+    """The reference pass (the adapter off) may be the model's first forward; FSDP then sets up its
+    gradients, which must still be the adapter's (adapter_off leaves requires_grad as it was)."""
+    worker = policy(precision="bf16")
+    worker.compute_base_logprobs(pack(trajectories(4), 4096, 1)[0])
+    step(worker)
+    assert all(p.requires_grad for n, p in worker.module.named_parameters() if lora.is_adapter(n))
+    assert worker.steps == 1
+
+
+def test_an_engines_base_is_rounded_as_a_bf16_learner_keeps_it():
+    model = lora.add_lora(tiny_lm(), SPEC)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora.round_base(model, torch.bfloat16)
+    for n, p in model.named_parameters():
+        expected = before[n] if lora.is_adapter(n) else before[n].to(torch.bfloat16).float()
+        assert p.dtype == torch.float32 and torch.equal(p, expected), n
+
+
 def test_the_engine_agrees_with_the_learner_before_and_after_an_adapter_sync():
     lm = tiny_lm()
     engine, worker = engine_of(lm), policy(copy.deepcopy(lm))

@@ -28,6 +28,9 @@ def test_set_task_names_another_task_file_whose_keys_later_sets_change():
                           ["task.budgets.max_turns=3", "task=examples/calculator.yaml", "task.dataset.path=x.jsonl"])
     assert cfg.task.name == "calculator" and cfg.task.tools.functions[0].name == "python"
     assert cfg.task.dataset.path == "x.jsonl" and cfg.task.budgets.max_turns == 3  # applied after the file
+    quoted = load_run_config(REPO / "configs/quickstart_code.yaml", ["task='examples/calculator.yaml'"])
+    assert quoted.task.name == "calculator"
+    assert load_run_config(DEBUG, ["eval_task=null", "trainer.eval_holdout=4"]).eval_task is None
 
 
 def test_shared_settings_are_derived_once():

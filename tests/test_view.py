@@ -102,7 +102,7 @@ def test_the_index_written_beside_a_step_is_the_one_read_from_its_samples(run):
 def test_the_api_lists_filters_and_opens_samples_of_a_run_as_it_grows(run, tmp_path):
     live = tmp_path / "live"
     shutil.copytree(run, live, ignore=shutil.ignore_patterns("step_3.jsonl"))
-    client = TestClient(app_for([live]))
+    client = TestClient(app_for([live]), base_url="http://127.0.0.1")
     [listed] = client.get("/api/runs").json()
     assert listed["kind"] == "train" and [s["step"] for s in listed["steps"]] == ["1", "2"]
     rows = [json.loads(line) for line in (run / "samples/step_3.jsonl").read_text().splitlines()]
@@ -131,10 +131,39 @@ def test_an_eval_dir_is_a_run_whose_steps_are_its_benchmarks(tmp_path):
               "segments": [{"source": "model", "text": "x", "tokens": 1}], "calls": []}
     (tmp_path / "math500.samples.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "results.json").write_text(json.dumps({"results": {"math500": {"pass@1": 1.0}}}))
-    client = TestClient(app_for([tmp_path]))
+    client = TestClient(app_for([tmp_path]), base_url="http://127.0.0.1")
     [listed] = client.get("/api/runs").json()
     assert listed["kind"] == "eval" and listed["steps"] == [{"step": "math500", "pass@1": 1.0}]
     assert client.get(f"/api/runs/{tmp_path.name}/steps/math500").json()["rows"][0]["score"] == 1.0
+
+
+def test_run_names_are_url_segments_and_only_local_hosts_are_answered(run, tmp_path, monkeypatch):
+    from agentrl.view.data import open_runs
+
+    twin = tmp_path / "a" / run.name
+    shutil.copytree(run, twin)
+    monkeypatch.chdir(run)
+    names = [r.name for r in open_runs([Path("."), run, twin])]
+    assert names == [f"{run.parent.name}-{run.name}-1", f"{run.parent.name}-{run.name}-2", f"a-{run.name}"]
+    assert all("/" not in n and n for n in names)
+    app = app_for([run])
+    assert TestClient(app, base_url="http://localhost").get("/api/runs").status_code == 200
+    assert TestClient(app, base_url="http://attacker.example").get("/api/runs").status_code == 400
+
+
+def test_a_trajectorys_text_cannot_break_out_of_the_embedded_page(run, tmp_path):
+    from agentrl.view.embed import embedded_page
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / "samples/step_1.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["segments"][0]["text"] = "<!--<script></script><b>&amp;"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = embedded_page([copy], {"run": ["1"]}, 8)
+    data = page.split("window.AGENTRL_EMBED = ", 1)[1].split(";</script>", 1)[0]
+    assert "<" not in data and ">" not in data and "&" not in data
+    assert json.loads(data)["data"]["run"]["steps"]["1"]["records"][0]["segments"][0]["text"].startswith("<!--<script>")
 
 
 # --- in a real browser ---------------------------------------------------------------------------------------

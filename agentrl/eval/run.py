@@ -48,7 +48,9 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
                         functions=spec.tools.functions, workers=spec.tools.workers, mcp=spec.tools.mcp)
     fmt = build_format(spec.tools.format, tokenizer=tokenizer, observation_max_chars=spec.budgets.observation_max_chars,
                        names=spec.tools.all_names)
-    environments = Task(spec, source="task").environments
+    task = Task(spec, source="task")
+    task.tool_schemas  # noqa: B018 - every tool checked now (a function standing in for a service too)
+    environments = task.environments
     results: dict[str, dict[str, float]] = {}
     reward = task_reward(spec.reward, spec.tools.workers)
     try:
@@ -80,9 +82,11 @@ async def run_eval(*, spec: TaskSpec, benchmarks: str, engine: Any, tokenizer: A
             records.sort(key=lambda r: (order.get(r["prompt_id"], len(order)), r["sample"]))
             results[bench.name] = summarize(records, n)
     finally:
-        for tool in tools.values():
-            await tool.aclose()
-        close_reward(reward)
+        try:
+            for tool in tools.values():
+                await tool.aclose()
+        finally:
+            close_reward(reward)
     config = {"benchmarks": benchmarks, "n": n, "temperature": temperature, "seed": seed, "no_tools": no_tools,
               "limit": limit, "task": spec.model_dump(mode="json")}
     atomic_write_text(out / "results.json", json.dumps({"config": config, "results": results}, indent=1) + "\n")

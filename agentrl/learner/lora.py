@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from agentrl.config import ConfigError
@@ -63,9 +64,23 @@ def add_lora(lm: nn.Module, spec: LoraSpec, key: str = "model.lora") -> nn.Modul
         lm = inject_adapter_in_model(peft_config(spec), lm)
     except ValueError as e:  # peft's own checks (e.g. a module type it cannot adapt)
         raise ConfigError(f"{key}: {e}") from None
+    from peft.tuners.lora import LoraLayer
+
+    if any(getattr(m, "fan_in_fan_out", False) for m in lm.modules() if isinstance(m, LoraLayer)):
+        raise ConfigError(f"{key}: this model stores some adapted weights transposed (GPT-2's Conv1D layers); "
+                          "LoRA here adapts Linear layers: name Linear modules in target_modules")
     for name, param in lm.named_parameters():
         param.requires_grad_(is_adapter(name))
     return lm
+
+
+def round_base(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round `model`'s frozen weights through `dtype` in place (kept in their own dtype): an engine's copy of
+    the base then holds what a learner keeping its base in `dtype` holds, which no adapter push corrects."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                param.copy_(param.to(dtype))
 
 
 def is_adapter(name: str) -> bool:
@@ -85,17 +100,25 @@ def adapter_names(module: nn.Module) -> set[str]:
 
 @contextlib.contextmanager
 def adapter_off(module: nn.Module) -> Iterator[None]:
-    """`module` as its base model while inside: every LoRA layer passes its input to the base layer alone."""
+    """`module` as its base model while inside: every LoRA layer passes its input to the base layer alone.
+    Each layer's switch and its parameters' requires_grad are put back as they were (peft's switch also
+    freezes the adapter, which FSDP must never see: it sets up gradients at the first forward)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    before = [(layer.disable_adapters, [(p, p.requires_grad) for p in layer.parameters()]) for layer in layers]
     for layer in layers:
         layer.enable_adapters(False)
+    for _, grads in before:
+        for p, wanted in grads:
+            p.requires_grad_(wanted)
     try:
         yield
     finally:
-        for layer in layers:
-            layer.enable_adapters(True)
+        for layer, (disabled, grads) in zip(layers, before, strict=True):
+            layer.enable_adapters(not disabled)
+            for p, wanted in grads:
+                p.requires_grad_(wanted)
 
 
 def set_dropout(module: nn.Module, training: bool) -> None:

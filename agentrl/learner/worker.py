@@ -100,8 +100,9 @@ def device_memory(device: torch.device) -> int:
 
 # Dense 16-bit (bf16 / fp16) tensor-core peaks, TFLOP/s, by a name the device's name contains; the first
 # that matches wins (an H100 PCIe before the SXM part). Vendors' figures without sparsity.
-PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
-               ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0))
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
+               ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+               ("L40", 181.0), ("L4", 121.0))
 
 
 def peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:

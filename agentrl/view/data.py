@@ -89,12 +89,13 @@ class Run:
         written = index_path(path)
         if not written.exists():
             return None
-        index = json.loads(written.read_text())
-        return _Index(stamp, index["rows"], index["offsets"]) if index["size"] == stamp[0] else None
+        index = json.loads(written.read_text(encoding="utf-8"))
+        fits = [index.get("size"), index.get("mtime_ns")] == list(stamp)
+        return _Index(stamp, index["rows"], index["offsets"]) if fits else None
 
     def trajectory(self, step: str, i: int) -> dict[str, Any]:
         index = self._index(step)
-        if not 0 <= i < len(index.offsets):
+        if not 0 <= i < len(index.rows):
             raise KeyError(f"{self.name}: step {step} has no sample {i}")
         with self._files()[step].open("rb") as f:
             f.seek(index.offsets[i])
@@ -122,6 +123,10 @@ def _lines(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
 
 
 def open_runs(paths: list[Path]) -> list[Run]:
-    """The runs at `paths`, named by their directory (with the parent's name where two would clash)."""
-    names = [p.name for p in paths]
-    return [Run(p, f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name) for p in paths]
+    """The runs at `paths`, named by their directory (with the parent's name where two would clash, and a
+    number where that still does); names are single URL path segments."""
+    full = [p.resolve() for p in paths]
+    names = [p.name or "root" for p in full]
+    names = [f"{p.parent.name}-{n}" if names.count(n) > 1 else n for p, n in zip(full, names, strict=True)]
+    names = [f"{n}-{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    return [Run(p, n) for p, n in zip(full, names, strict=True)]

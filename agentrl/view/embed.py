@@ -31,7 +31,9 @@ def embedded_data(runs: list[Run], steps: dict[str, list[str]], per_step: int) -
 def embedded_page(paths: list[Path], steps: dict[str, list[str]], per_step: int) -> str:
     """page.html holding its data: a whole page, to put in an iframe's srcdoc."""
     data = embedded_data(open_runs(paths), steps, per_step)
-    script = "<script>window.AGENTRL_EMBED = " + json.dumps(data).replace("</", "<\\/") + ";</script>"
+    # <, > and & as JSON escapes: no text of a trajectory can end or reopen the script element
+    text = json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    script = "<script>window.AGENTRL_EMBED = " + text + ";</script>"
     return PAGE.read_text().replace("<script>", script + "\n<script>", 1)
 
 

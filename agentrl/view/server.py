@@ -22,12 +22,16 @@ from agentrl.view.data import Run, open_runs
 PAGE = Path(__file__).with_name("page.html")
 
 
-def app_for(paths: list[Path]) -> Any:
+def app_for(paths: list[Path], hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Any:
+    """The viewer's app over the runs at `paths`, answering requests addressed to one of `hosts` only (a web
+    page elsewhere cannot reach it by pointing a name of its own at this machine)."""
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import HTMLResponse
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
 
     runs = {r.name: r for r in open_runs(paths)}
     app = FastAPI(title="agentrl view")
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(hosts))
 
     def run_of(name: str) -> Run:
         if name not in runs:
