@@ -42,18 +42,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
 TIMING_SKIP = {"timing/step"}
 
 
-def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
-    """The run's metrics lines and its samples by step."""
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics lines (its samples are the embedded viewer's to read, for the steps it shows)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl (is it a run dir of agentrl train?)")
     metrics = read_jsonl(path)
     if not metrics:
         raise ConfigError(f"{path}: no steps logged yet")
-    samples = {}
-    for f in (run_dir / "samples").glob("step_*.jsonl"):
-        samples[int(f.stem.removeprefix("step_"))] = read_jsonl(f)
-    return metrics, samples
+    return metrics
 
 
 def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -120,9 +117,7 @@ def _picked_steps(steps: list[int], count: int = 3) -> list[int]:
 
 CSS = """body{font-family:sans-serif;max-width:1300px;margin:2em auto;padding:0 1em}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.grid figure{margin:0}.grid img{width:620px}
-pre{white-space:pre-wrap;background:#fafafa;border:1px solid #ddd;padding:8px;font-size:12px}
-.prompt{color:#555}.model{color:#000}.tool{background:#e6f0ff;color:#024}
-.head{font-size:12px;color:#444;margin-top:8px}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"""
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"""
 
 
 def render(run_dirs: list[Path], out: Path, per_step: int = 64) -> Path:
@@ -133,8 +128,8 @@ def render(run_dirs: list[Path], out: Path, per_step: int = 64) -> Path:
     names = [d.resolve().name for d in run_dirs]
     if len(set(names)) < len(names):  # same-named dirs in different places: name them by their path
         names = [str(d) for d in run_dirs]
-    read = {name: read_run(d) for name, d in zip(names, run_dirs, strict=True)}
-    images = plots({name: metrics for name, (metrics, _) in read.items()})
+    read = {name: read_metrics(d) for name, d in zip(names, run_dirs, strict=True)}
+    images = plots(read)
     out.mkdir(parents=True, exist_ok=True)
     figures = []
     for name, (title, png) in images.items():
@@ -143,16 +138,17 @@ def render(run_dirs: list[Path], out: Path, per_step: int = 64) -> Path:
         data = base64.b64encode(png).decode()
         figures.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}"></figure>')
     rows = []
-    for name, (metrics, _) in read.items():
+    for name, metrics in read.items():
         last = metrics[-1]
         cells = [f"{last.get(k):.3g}" if isinstance(last.get(k), (int, float)) else "-"
                  for k in ("reward/mean", "val/score", "rollout/response_length/mean", "tool/calls_per_trajectory")]
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{last['step']}</td><td>{'</td><td>'.join(cells)}</td></tr>")
     picked = {}
-    for run in open_runs(list(run_dirs)):  # a few steps spread over each run, as the viewer names them
+    runs = open_runs(list(run_dirs))
+    for run in runs:  # a few steps spread over each run, as the viewer names them
         steps = [s["step"] for s in run.steps()]
         picked[run.name] = [steps[i] for i in _picked_steps(list(range(len(steps))))]
-    viewer = iframe(list(run_dirs), picked, per_step) if any(picked.values()) else ""
+    viewer = iframe(runs, picked, per_step) if any(picked.values()) else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>agentrl report</title>
 <style>{CSS}</style></head><body><h1>agentrl report</h1>
 <table><tr><th>run</th><th>steps</th><th>reward</th><th>val score</th><th>response tokens</th><th>tool calls</th></tr>

@@ -112,7 +112,7 @@ def summary(i: int, r: dict[str, Any], newest_version: int) -> dict[str, Any]:
     """What a list of samples and its filters need of record `r` (a training dump's or an eval sample's):
     reward, stop reason, tool use and errors, staleness (the step's newest policy version less the oldest
     that sampled it), the model's first words, and the text a search looks in (prompt, model and tool text,
-    its first 20,000 characters)."""
+    its first 8,000 characters: the index stays small)."""
     reward = r.get("reward")
     score = reward.get("score") if isinstance(reward, dict) else r.get("score")
     calls = r.get("tool_calls") if isinstance(r.get("tool_calls"), list) else r.get("calls", [])
@@ -126,5 +126,5 @@ def summary(i: int, r: dict[str, Any], newest_version: int) -> dict[str, Any]:
         "staleness": newest_version - min(versions) if versions and newest_version >= 0 else 0,
         "newest_version": newest_version,
         "advantage": r.get("advantage"), "tokens": sum(s.get("tokens", 0) for s in r["segments"]),
-        "snippet": text[:160], "text": everything[:20_000].lower(),
+        "snippet": text[:160], "text": everything[:8_000].lower(),
     }

@@ -152,6 +152,7 @@ def test_run_names_are_url_segments_and_only_local_hosts_are_answered(run, tmp_p
 
 
 def test_a_trajectorys_text_cannot_break_out_of_the_embedded_page(run, tmp_path):
+    from agentrl.view.data import open_runs
     from agentrl.view.embed import embedded_page
 
     copy = tmp_path / "run"
@@ -160,7 +161,7 @@ def test_a_trajectorys_text_cannot_break_out_of_the_embedded_page(run, tmp_path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows[0]["segments"][0]["text"] = "<!--<script></script><b>&amp;"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    page = embedded_page([copy], {"run": ["1"]}, 8)
+    page = embedded_page(open_runs([copy]), {"run": ["1"]}, 8)
     data = page.split("window.AGENTRL_EMBED = ", 1)[1].split(";</script>", 1)[0]
     assert "<" not in data and ">" not in data and "&" not in data
     assert json.loads(data)["data"]["run"]["steps"]["1"]["records"][0]["segments"][0]["text"].startswith("<!--<script>")

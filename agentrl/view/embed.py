@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import html
 import json
-from pathlib import Path
 from typing import Any
 
-from agentrl.view.data import Run, open_runs
+from agentrl.view.data import Run
 from agentrl.view.server import PAGE
 
 
@@ -28,17 +27,17 @@ def embedded_data(runs: list[Run], steps: dict[str, list[str]], per_step: int) -
     return {"runs": listing, "data": data}
 
 
-def embedded_page(paths: list[Path], steps: dict[str, list[str]], per_step: int) -> str:
+def embedded_page(runs: list[Run], steps: dict[str, list[str]], per_step: int) -> str:
     """page.html holding its data: a whole page, to put in an iframe's srcdoc."""
-    data = embedded_data(open_runs(paths), steps, per_step)
+    data = embedded_data(runs, steps, per_step)
     # <, > and & as JSON escapes: no text of a trajectory can end or reopen the script element
     text = json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     script = "<script>window.AGENTRL_EMBED = " + text + ";</script>"
     return PAGE.read_text().replace("<script>", script + "\n<script>", 1)
 
 
-def iframe(paths: list[Path], steps: dict[str, list[str]], per_step: int) -> str:
+def iframe(runs: list[Run], steps: dict[str, list[str]], per_step: int) -> str:
     """An iframe showing the viewer over the chosen steps, its page inlined (srcdoc)."""
-    page = embedded_page(paths, steps, per_step)
+    page = embedded_page(runs, steps, per_step)
     return (f'<iframe class="viewer" title="trajectories" style="width:100%;height:900px;border:1px solid #ccc" '
             f'srcdoc="{html.escape(page, quote=True)}"></iframe>')
