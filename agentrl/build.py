@@ -70,9 +70,10 @@ def engine_device(device: str) -> str:
 def build_engine(config: RunConfig, *, seed: int, model_dir: str | None = None, lm: torch.nn.Module | None = None,
                  tokenizer: Any = None, own_process: bool | None = None, **vllm_overrides: Any) -> Any:
     """The run's engine (engine.* settings), sampling with `seed`. vLLM: over the weights in `model_dir`,
-    in a child process with `own_process` (default: engine.own_process). Transformers: a copy of `lm` (or
-    the run's starting weights) on engine.device, with the run's LoRA adapter where it trains one. The
-    learner's first push replaces the weights (the adapter) either way."""
+    in a child process with `own_process` (default: engine.own_process), serving the run's LoRA adapter beside
+    those weights where it trains one. Transformers: a copy of `lm` (or the run's starting weights) on
+    engine.device, with the LoRA adapter injected likewise. The learner's first push replaces the weights
+    (the adapter) either way."""
     e = config.engine
     if e.kind == "vllm":
         from agentrl.engine.vllm import VLLMEngine
@@ -80,7 +81,8 @@ def build_engine(config: RunConfig, *, seed: int, model_dir: str | None = None, 
         kwargs = dict(model=model_dir, gpu_memory_utilization=e.gpu_memory_utilization,
                       max_model_len=e.max_model_len, enable_sleep_mode=e.sleep_level > 0,
                       enforce_eager=e.enforce_eager, tensor_parallel_size=e.tensor_parallel_size, seed=seed,
-                      use_request_seeds=e.request_seeds) | vllm_overrides
+                      use_request_seeds=e.request_seeds,
+                      lora=config.model.lora.model_dump() if config.model.lora else None) | vllm_overrides
         if e.own_process if own_process is None else own_process:
             from agentrl.engine.process import ProcessEngine
 

@@ -31,6 +31,7 @@ from typing import Any
 from agentrl.build import build_engine, build_lm, engine_model_dir
 from agentrl.learn import Learner
 from agentrl.run_config import RunConfig
+from agentrl.weight_sync import transport
 
 
 def place(config: RunConfig, run_root: Path, tokenizer: Any, engine: Any = None) -> tuple[Any, Any, Any]:
@@ -54,7 +55,7 @@ def place(config: RunConfig, run_root: Path, tokenizer: Any, engine: Any = None)
     model_dir = engine_model_dir(config, run_root, tokenizer) if config.engine.kind == "vllm" else None
     engines = ray_engines(config, placement, model_dir)  # first: vLLM sizes its memory from what is free
     learner = RayLearner(config, placement)
-    if config.engine.kind == "vllm" and config.placement.mode == "split":
+    if transport(config) == "nccl":  # split vLLM engines receive full weights by broadcast
         learner.join(engines)
     return learner, engine or EnginePool(engines), placement
 

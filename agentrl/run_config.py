@@ -182,6 +182,7 @@ class PlacementConfig(StrictModel):
 # The probe's tolerance by engine kind (a mean over its tokens of |engine logprob - learner logprob|): the
 # transformers engine computes in the learner's float32; vLLM samples in bfloat16.
 PROBE_TOLERANCE = {"hf": 0.01, "vllm": 0.1}
+VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's max_lora_rank choices
 
 
 class RunConfig(StrictModel):
@@ -231,9 +232,7 @@ class RunConfig(StrictModel):
             agree(self.learner, "model", self.model.path, "learner.model", "model.path")
         if self.model.lora is not None:
             agree(self.learner, "lora", self.model.lora, "learner.lora", "model.lora")
-            if self.engine.kind == "vllm":
-                raise ValueError("model.lora: engine.kind vllm does not serve LoRA adapters in this version; use "
-                                 "engine.kind hf, or train the full weights (no model.lora)")
+            self._check_lora_engine()
         if self.algo.needs_critic and self.critic is None:
             self.critic = self.learner.model_copy(deep=True)
         for role, learner in (("learner", self.learner), ("critic", self.critic)):
@@ -258,6 +257,17 @@ class RunConfig(StrictModel):
         if self.engine.tensor_parallel_size > 1 and not (p.mode == "split" and self.engine.kind == "vllm"):
             raise ValueError("engine.tensor_parallel_size > 1 needs vLLM engines in placement.mode split")
         return self
+
+    def _check_lora_engine(self) -> None:
+        """What a vLLM engine needs to serve the run's adapter."""
+        if self.engine.kind != "vllm":
+            return
+        if self.model.lora.rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"model.lora.rank ({self.model.lora.rank}): vLLM serves adapters of rank "
+                             f"{VLLM_MAX_LORA_RANK} at most")
+        if self.engine.sleep_level == 2:
+            raise ValueError("engine.sleep_level 2 drops the engine's weights while the learner trains, and a "
+                             "LoRA push (model.lora) sends the adapter only: use sleep_level 1 or 0")
 
     @property
     def run_dir(self) -> Path:

@@ -15,6 +15,9 @@ importance ratios assume. `transport(config)` chooses how, once, from the placem
     bytes    transformers engines on Ray: rank 0 encodes each bucket once as safetensors; it reaches every
              engine through Ray's object store
 
+A LoRA policy sends its adapter only (about 1% of the weights) and vLLM loads an adapter from files, so a
+LoRA run's pushes go as tensors (one process) or bytes (Ray) whatever the engine.
+
 `push_weights` is the one-process push, `push_from_rank` a Ray learner rank's. Both are timed
 (`timing/weight_sync`, by the caller on Ray).
 
@@ -39,7 +42,7 @@ from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
 def transport(config: Any) -> str:
     """tensors, ipc, nccl or bytes (the module docstring says when)."""
-    vllm = config.engine.kind == "vllm"
+    vllm = config.engine.kind == "vllm" and config.model.lora is None
     if not config.placement.on_ray:
         return "ipc" if vllm and config.learner.device != "cpu" else "tensors"
     if not vllm:

@@ -7,7 +7,14 @@ metrics.jsonl: generation (the rollout), learner compute (old logprobs and train
 awake, it times the weight push both ways in the same process: CUDA IPC (what the trainer uses) against
 safetensors bytes through the host (the baseline), and prints their ratio.
 
+`--lora RANK` trains a LoRA adapter of that rank (alpha 2 x rank) instead of the full weights, and the push
+timed is the adapter's (what a LoRA run sends). Run it beside a full run of the same shape and batch for
+the comparison; each prints the learner's peak GPU memory (the engine's share is fixed by
+engine.gpu_memory_utilization). `--model-path` starts from a checkpoint on disk (a large random one
+written beforehand: the trainer's own random init is built and written in float32).
+
     python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5
+    python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5 --lora 32
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-tokens", type=int, default=1024)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--model-path", default=None, help="a checkpoint of the shape to start from")
+    parser.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
     os.environ["AGENTRL_TOKENIZER"] = args.tokenizer
@@ -44,9 +54,17 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
     path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
                           response_tokens=args.response_tokens, eager=False)
-    config = load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false",
-                                    "learner.optim.lr=1e-6", "engine.gpu_memory_utilization=0.45"])
+    sets = ["algo.entropy_coef=0.001", "trainer.export=false", "learner.optim.lr=1e-6",
+            "engine.gpu_memory_utilization=0.45"]
+    if args.lora:
+        sets += [f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}"]
+    if args.model_path:
+        sets += [f"model.path={args.model_path}", "model.config=null"]
+    config = load_run_config(path, sets + args.set)
+    import torch
+
     push = asyncio.run(_run(Trainer(config)))
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
     metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = []
     print(f"{'step':>4} {'step s':>8} {'rollout':>8} {'logprobs':>8} {'train':>8} {'sleep':>7} {'wake':>7} "
@@ -67,10 +85,16 @@ def main() -> None:
     later = rows[1:] or rows  # step 1 includes vLLM's first CUDA-graph warm-up of these shapes
     print(f"steps 2+: other {100 * sum(r['other_s'] for r in later) / sum(r['step_s'] - r['checkpoint_s'] for r in later):.1f}% of the "
           f"step; sleep + push + wake {max(r['sleep_s'] + r['push_s'] + r['wake_s'] for r in later):.2f} s at most")
-    print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
-          f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
+    if args.lora:
+        print(f"adapter push (rank {args.lora}), engine awake: {push['adapter_s']:.3f} s ({push['gb']:.3f} GB)")
+    else:
+        print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
+              f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
+    print(f"learner peak GPU memory {peak_gib:.1f} GiB; mean step {sum(r['step_s'] for r in later) / len(later):.2f} s, "
+          f"train {sum(r['train_s'] for r in later) / len(later):.2f} s (steps 2+)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"steps": rows, "push": push, "args": vars(args)}, indent=1))
+        Path(args.out).write_text(json.dumps({"steps": rows, "push": push, "peak_gib": peak_gib, "args": vars(args)},
+                                             indent=1))
 
 
 async def _run(trainer) -> dict[str, float]:
@@ -80,6 +104,12 @@ async def _run(trainer) -> dict[str, float]:
         await trainer.run()
         gb = sum(t.numel() * t.element_size() for _, t in trainer.learner.policy.state_for_sync()) / 1e9
         times = {}
+        if trainer.config.model.lora is not None:  # the adapter goes as tensors (weight_sync.transport)
+            for _ in range(3):
+                start = time.perf_counter()
+                await push_weights(trainer.learner.policy, trainer.engine, "tensors")
+                times["adapter_s"] = time.perf_counter() - start  # the last of three
+            return times | {"gb": gb}
         for name in ("ipc", "host", "ipc"):  # IPC twice: the first call may pay one-time costs
             start = time.perf_counter()
             await push_weights(trainer.learner.policy, trainer.engine, "ipc" if name == "ipc" else "tensors")

@@ -59,7 +59,9 @@ def test_shared_settings_are_derived_once():
     (["rollout.n=1"], "algo.advantage=grpo compares each sample with the others of its prompt's group, so rollout.n "
                       "must be at least 2 (it is 1)"),
     (["rollout.n=1", "algo.advantage=rloo"], "algo.advantage=rloo"),
-    (["model.lora.rank=8", "engine.kind=vllm"], "model.lora: engine.kind vllm does not serve LoRA adapters"),
+    (["model.lora.rank=8", "engine.kind=vllm", "engine.sleep_level=2"], "engine.sleep_level 2 drops the engine's "
+                                                                          "weights"),
+    (["model.lora.rank=1024", "engine.kind=vllm"], "model.lora.rank (1024): vLLM serves adapters of rank 512 at most"),
     (["model.lora.rank=8", "learner.lora.rank=16"], "learner.lora"),
     (["model.lora.rank=0"], "model.lora.rank"),
 ])

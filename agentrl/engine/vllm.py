@@ -35,6 +35,12 @@ Per-request seeds are off by default: vLLM samples seeded requests one generator
 whole batch pays at every step, and its outputs depend on batch composition anyway; the engine `seed`
 fixes the run. `use_request_seeds=True` (a run's `engine.request_seeds`) honours `Sampling.seed`. `sleep()` / `wake()` free and restore GPU memory when
 training shares the GPUs. Needs `pip install agentrl[gpu]`.
+
+With `lora` (a run's `model.lora`) the engine serves its base model plus one LoRA adapter through vLLM's
+LoRA support (`_Adapter`): a push brings the adapter's tensors only, by the same bucket calls as full weights;
+they are written in peft's format to a directory of the engine's own and loaded in place under one adapter
+id, so each push replaces the last and vLLM holds one adapter however many pushes came. Until the first
+push requests go to the base alone, which is what a fresh adapter (B = 0) computes.
 """
 
 from __future__ import annotations
@@ -43,9 +49,13 @@ import asyncio
 import itertools
 import math
 import os
+import shutil
+import tempfile
 import uuid
+import weakref
 import zlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine import BETWEEN_ROLLOUTS, Completion, EngineDied, Sampling, refuse_in_flight
@@ -62,7 +72,8 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
                  max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
-                 admission_interval_ms: float = 200.0, log_stats: bool = True, **engine_kwargs: Any):
+                 admission_interval_ms: float = 200.0, log_stats: bool = True, lora: dict | None = None,
+                 **engine_kwargs: Any):
         # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
         # cannot use CUDA then.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -71,6 +82,9 @@ class VLLMEngine:
 
         if attention_backend is not None:
             engine_kwargs.setdefault("attention_config", {"backend": attention_backend})
+        self.adapter = _Adapter(lora) if lora is not None else None
+        if self.adapter is not None:
+            engine_kwargs |= self.adapter.engine_args()
         args = AsyncEngineArgs(
             model=model,
             tensor_parallel_size=tensor_parallel_size,
@@ -133,6 +147,7 @@ class VLLMEngine:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
                                                   request_id=f"{session or 'r'}-{uuid.uuid4().hex[:12]}",
                                                   data_parallel_rank=self._rank(session),
+                                                  lora_request=self.adapter.request if self.adapter else None,
                                                   priority=sampling.priority):
                 final = out
         except Exception as e:
@@ -160,6 +175,8 @@ class VLLMEngine:
         pool.py send weights so, and they cross no second encoding); returns how many tensors. Then
         `weights_loaded()` after the last bucket."""
         refuse_in_flight(self._in_flight)  # every replica's; for update_weights, before the first bucket moves
+        if self.adapter is not None:
+            return self.adapter.take(payload)
         loaded = await self.engine.collective_rpc("agentrl_load_weights", args=(payload,))
         return int(loaded[0])  # each worker reports the whole bucket (load_weights shards it for TP)
 
@@ -188,7 +205,13 @@ class VLLMEngine:
         return int((await self.engine.collective_rpc("agentrl_receive_bucket", args=(layout, nbytes)))[0])
 
     async def weights_loaded(self) -> None:
+        if self.adapter is not None:
+            await self.adapter.load(self.engine)
         await self.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    async def adapters_loaded(self) -> int:
+        """How many LoRA adapters vLLM holds (one at most: each push replaces the last)."""
+        return len(await self.engine.list_loras())
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix. vLLM refuses (returns False) while requests run: their KV would outlive
@@ -210,6 +233,67 @@ class VLLMEngine:
 
     async def aclose(self) -> None:
         self.engine.shutdown()
+
+
+class _Adapter:
+    """The one LoRA adapter a VLLMEngine serves beside its base. A push's buckets are collected (`take`),
+    written in peft's format to the engine's own directory (in /dev/shm where there is one: memory, not disk)
+    and loaded under one id with `load_inplace` (`load`): vLLM replaces the adapter it holds. Two directories
+    take turns, so that the one the requests name stays whole while the next is written."""
+
+    ID = 1
+
+    def __init__(self, spec: dict) -> None:
+        from agentrl.learner.config import LoraSpec
+
+        self.spec = LoraSpec(**spec)
+        shm = Path("/dev/shm")
+        self.root = Path(tempfile.mkdtemp(prefix="agentrl-lora-", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.tensors: dict[str, Any] = {}
+        self.request: Any = None  # None until the first push: the base alone
+        self.pushes = 0
+
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's LoRA settings: one adapter, on the GPU and in its host cache, of a rank vLLM offers."""
+        from typing import get_args
+
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = [r for r in get_args(MaxLoRARanks) if r >= self.spec.rank]
+        if not ranks:
+            raise ValueError(f"model.lora.rank {self.spec.rank}: vLLM serves adapters of rank "
+                             f"{max(get_args(MaxLoRARanks))} at most")
+        return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": min(ranks)}
+
+    def take(self, payload: bytes) -> int:
+        """One bucket of a push (safetensors bytes of the learner's adapter tensors); returns how many."""
+        from safetensors.torch import load
+
+        from agentrl.learner.lora import is_adapter
+
+        tensors = load(payload)
+        other = [name for name in tensors if not is_adapter(name)]
+        if other:
+            raise ValueError(f"a LoRA engine takes adapter tensors only; the push sent {other[:3]}")
+        self.tensors.update(tensors)
+        return len(tensors)
+
+    async def load(self, engine: Any) -> None:
+        """The collected push as the adapter every later request uses."""
+        from vllm.lora.request import LoRARequest
+
+        from agentrl.learner.lora import write_adapter
+
+        if not self.tensors:
+            raise ValueError("a LoRA weight push brought no adapter tensors")
+        path = self.root / f"v{self.pushes % 2}"
+        shutil.rmtree(path, ignore_errors=True)
+        write_adapter(path, self.tensors, self.spec, None)
+        self.tensors = {}
+        await engine.add_lora(LoRARequest("agentrl", self.ID, str(path), load_inplace=True))
+        self.request = LoRARequest("agentrl", self.ID, str(path))
+        self.pushes += 1
 
 
 async def _next_wave(interval_s: float) -> None:
