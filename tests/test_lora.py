@@ -250,3 +250,33 @@ def test_a_resumed_lora_run_continues_as_one_that_never_stopped(tmp_path, in_rep
     assert [m["step"] for m in resumed] == [1, 2, 3]
     assert resumed[2]["actor/loss"] == pytest.approx(whole[2]["actor/loss"], rel=1e-5)
     assert resumed[2]["reward/mean"] == whole[2]["reward/mean"]
+
+
+def test_a_vllm_engines_adapter_is_written_as_peft_writes_it_from_the_pushed_buckets(tmp_path):
+    """engine/vllm.py's `_Adapter` collects a push's buckets and writes the adapter that vLLM loads (its
+    LoRA loader reads peft's format): loaded by peft onto the base, it gives the learner's adapted model."""
+    from peft import PeftModel
+
+    from agentrl.engine.vllm import _Adapter
+    from agentrl.engine.weights import bucket_by_bytes, encode_bucket
+
+    worker = policy()
+    step(worker)
+    adapter = _Adapter(SPEC.model_dump())
+    pushed = list(worker.state_for_sync())
+    assert sum(adapter.take(encode_bucket(b)) for b in bucket_by_bytes(iter(pushed), 4096)) == len(pushed)
+    with pytest.raises(ValueError, match="adapter tensors only"):
+        adapter.take(encode_bucket([("model.embed_tokens.weight", torch.zeros(2, 2))]))
+    path = adapter.write()
+    assert adapter.tensors == {} and path.parent == adapter.root
+    served = PeftModel.from_pretrained(tiny_lm(), str(path)).eval()  # the base: the policy's seeded start
+    learners = lora.add_lora(tiny_lm(), SPEC).eval()
+    missing, unexpected = learners.load_state_dict(dict(pushed), strict=False)
+    assert unexpected == [] and not [n for n in missing if lora.is_adapter(n)]
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        theirs, ours = served(input_ids=ids).logits, learners(input_ids=ids).logits
+        base = tiny_lm()(input_ids=ids).logits
+    assert torch.allclose(theirs, ours, atol=1e-5) and not torch.allclose(base, ours, atol=1e-3)
+    with pytest.raises(ValueError, match="brought no adapter tensors"):
+        adapter.write()

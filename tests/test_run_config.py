@@ -176,3 +176,18 @@ def test_split_engines_sharing_the_learners_gpu_take_an_nccl_host_id_and_the_soc
     assert _shared_gpu_nccl(shared, None)["runtime_env"]["env_vars"]["NCCL_SOCKET_NTHREADS"] == "2"
     for sets in (["placement.mode=split"], []):  # engines on GPUs of their own; colocated (CUDA IPC)
         assert _shared_gpu_nccl(load_run_config(recipe, sets), "agentrl-engine-0") == {}
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (["engine.kind=hf"], "tensors"),
+    (["engine.kind=vllm", "learner.device=cuda"], "ipc"),
+    (["engine.kind=vllm", "learner.device=cuda", "model.lora.rank=8"], "tensors"),  # an adapter goes through the host
+    (["engine.kind=hf", "placement.learner_ranks=2"], "bytes"),
+    (["engine.kind=vllm", "learner.device=cuda", "placement.learner_ranks=2", "placement.engines=2"], "ipc"),
+    (["engine.kind=vllm", "learner.device=cuda", "placement.mode=split"], "nccl"),
+    (["engine.kind=vllm", "learner.device=cuda", "placement.mode=split", "model.lora.rank=8"], "bytes"),
+])
+def test_the_weight_transport_follows_the_placement_and_lora(sets, expected):
+    from agentrl.weight_sync import transport
+
+    assert transport(load_run_config(DEBUG, sets)) == expected

@@ -279,10 +279,8 @@ class _Adapter:
         self.tensors.update(tensors)
         return len(tensors)
 
-    async def load(self, engine: Any) -> None:
-        """The collected push as the adapter every later request uses."""
-        from vllm.lora.request import LoRARequest
-
+    def write(self) -> Path:
+        """The collected push in peft's format, in the directory whose turn it is."""
         from agentrl.learner.lora import write_adapter
 
         if not self.tensors:
@@ -291,6 +289,13 @@ class _Adapter:
         shutil.rmtree(path, ignore_errors=True)
         write_adapter(path, self.tensors, self.spec, None)
         self.tensors = {}
+        return path
+
+    async def load(self, engine: Any) -> None:
+        """The collected push as the adapter every later request uses."""
+        from vllm.lora.request import LoRARequest
+
+        path = self.write()
         await engine.add_lora(LoRARequest("agentrl", self.ID, str(path), load_inplace=True))
         self.request = LoRARequest("agentrl", self.ID, str(path))
         self.pushes += 1
