@@ -25,7 +25,7 @@ from agentrl.engine.vllm import VLLMEngine  # noqa: E402
 from agentrl.learner import lora  # noqa: E402
 from agentrl.learner.config import LoraSpec  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.gpu.vllm_models import two_models_and_prompts, wait_for_free_gpu_memory  # noqa: E402
+from tests.gpu.vllm_models import two_models_and_prompts  # noqa: E402
 
 SPEC = LoraSpec(rank=16, alpha=32)
 TOKENS = 32
@@ -36,9 +36,8 @@ def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     tok, a, _, prompts = two_models_and_prompts(tmp_path_factory, 16)
-    wait_for_free_gpu_memory(0.5)
     loop = asyncio.new_event_loop()
-    engine = VLLMEngine(str(a), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048, enforce_eager=True,
+    engine = VLLMEngine(str(a), dtype="bfloat16", gpu_memory_utilization=0.12, max_model_len=2048, enforce_eager=True,
                         enable_sleep_mode=True, lora=SPEC.model_dump())
     hf = lora.add_lora(AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32), SPEC).cuda()
     lora.round_base(hf, torch.bfloat16)  # what the engine's bf16 base holds
@@ -113,10 +112,10 @@ def test_a_colocated_lora_run_pushes_the_adapter_and_checks_every_push(tmp_path,
     from agentrl.trainer import Trainer
     from tests.gpu.test_trainer_gpu import _run_and_compare, gpu_run_config
 
-    wait_for_free_gpu_memory(0.6)
     monkeypatch.chdir(REPO)
-    config = load_run_config(gpu_run_config(tmp_path, steps=3, prompts=8, n=4),
-                             ["model.lora.rank=16", "model.lora.alpha=32", "learner.optim.lr=2e-3"])
+    config = load_run_config(gpu_run_config(tmp_path, steps=3, prompts=8, n=4),  # beside the module's engine
+                             ["model.lora.rank=16", "model.lora.alpha=32", "learner.optim.lr=2e-3",
+                              "engine.gpu_memory_utilization=0.15"])
     engine_gap, stale_gap = asyncio.run(_run_and_compare(Trainer(config)))
     print(f"\nafter the run: engine against learner {engine_gap:.4f}, initial weights against learner {stale_gap:.4f}")
     run = Path(config.run_dir)
