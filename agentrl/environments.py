@@ -26,7 +26,9 @@ What fails, and what follows:
 - a call's arguments do not fit the method, or the method raises: an observation (`bad_arguments`,
   `tool_error`), the model goes on, as with any tool;
 - `reset` raises, or a method outruns `timeout_s` (its state is unknown from then on): the trajectory is
-  errored (`rollout/errored/environment`), left out of the loss and counted; the run goes on;
+  errored (`rollout/errored/environment`), left out of the loss and counted; the run goes on. Its last
+  turn's records keep the calls that returned before the failing one, and that one with the error
+  `environment`;
 - `close` raises: logged; the trajectory keeps its result. `close` waits for a call still running in its
   thread (one past its timeout) to return, for up to `timeout_s`, and is not cut short by a cancellation.
 """
@@ -86,7 +88,12 @@ class BadArguments(ValueError):
 
 
 class EnvironmentFailed(Exception):
-    """The environment failed in a way that leaves its episode unusable (the trajectory is errored)."""
+    """The environment failed in a way that leaves its episode unusable (the trajectory is errored).
+    `completed`: the results of the turn's calls that returned before the one that failed, in order."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.completed: list[ToolResult] = []
 
 
 def load_environment(ref: str) -> type[Environment]:
@@ -200,7 +207,11 @@ class Episode:
         else:
             out = []
             for i, call in enumerate(calls):
-                out.append(await one(i, call))
+                try:
+                    out.append(await one(i, call))
+                except EnvironmentFailed as e:
+                    e.completed = [r for r, _ in out]
+                    raise
                 if out[-1][1]:
                     break
         return [r for r, _ in out], any(done for _, done in out)

@@ -175,6 +175,14 @@ class TrajectoryBuilder:
             self.segments.append(Segment("tool", obs_ids))
             self.ids.extend(obs_ids)
 
+    def add_failed_turn(self, action: Calls, completed: Sequence[ToolResult], failure: ToolResult) -> None:
+        """Record a turn whose environment failed: the calls that returned before the failing one, then that
+        one with `failure` (the trajectory is errored, so no observation follows)."""
+        results = [*completed, failure]
+        calls = action.calls[: len(results)]
+        self.tool_calls += len(calls)
+        self.records += [ToolRecord(self.turn, c, r) for c, r in zip(calls, results, strict=True)]
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -210,6 +218,7 @@ async def _run_tools(b: TrajectoryBuilder, action: Calls | Invalid, episode: Epi
             results, done = await episode.run(action.calls, b.refusals(action.calls))
         except EnvironmentFailed as e:
             b.fail("environment", str(e))
+            b.add_failed_turn(action, e.completed, ToolResult(str(e), error="environment"))
             return
     b.timings["tool_s"] += time.perf_counter() - t0
     b.add_observation(action, results, done)

@@ -143,6 +143,14 @@ def test_failures_are_observations_or_errored_trajectories(qwen_tokenizer, envs)
     assert all(e.events[-1] == ("close",) for e in Counter.made)
 
 
+def test_a_turn_whose_environment_fails_keeps_the_calls_that_returned_before(qwen_tokenizer, envs):
+    two = call("add", n=1).removesuffix(EOS) + call("wrong")  # one turn, two calls: the second fails
+    [t] = go(qwen_tokenizer, envs, {"p": [two, call("stop")]})
+    assert t.stop_reason == StopReason.ERRORED and t.error == "environment" and t.num_turns == 1
+    assert [(r.call.name, r.result.error) for r in t.tool_records] == [("add", None), ("wrong", "environment")]
+    assert t.tool_records[0].result.text == "total 1" and "expected a Step or text" in t.tool_records[1].result.text
+
+
 def test_a_methods_own_timeout_is_its_error_and_a_reward_not_a_number_errors_only_its_trajectory(qwen_tokenizer, envs):
     scripts = {"own": [call("own_timeout"), call("stop")], "bad": [call("bad_reward"), call("stop")],
                "fine": [call("add", n=1), call("stop")]}
