@@ -13,7 +13,8 @@ every other parameter. What follows from the frozen base, in the learner (worker
 - the reference policy is the same model with the adapter switched off (`adapter_off`): no second copy of
   the weights (reference.py `BaseReference`);
 - a weight push sends the adapter's tensors only, and the engine holds base + adapter of the same shape
-  (build.py injects it there too), each push replacing the one adapter it holds;
+  (build.py injects it into a transformers engine; a vLLM engine serves it through vLLM's LoRA support,
+  engine/vllm.py), each push replacing the one adapter it holds;
 - a checkpoint holds the adapter and its optimizer state; the base comes from `model.path` again;
 - the export is the merged model (`merged`: W + alpha / rank * B @ A, what transformers and vLLM load as
   any checkpoint) with the adapter in peft's own format beside it (`write_adapter`, under `adapter/`).
