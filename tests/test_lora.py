@@ -269,6 +269,10 @@ def test_a_vllm_engines_adapter_is_written_as_peft_writes_it_from_the_pushed_buc
         adapter.take(encode_bucket([("model.embed_tokens.weight", torch.zeros(2, 2))]))
     path = adapter.write()
     assert adapter.tensors == {} and path.parent == adapter.root
+    orphan = adapter.root.with_name(f"agentrl-lora-{2**22 + 7}-x")  # a pid above the kernel's limit: not running
+    orphan.mkdir()
+    _Adapter(SPEC.model_dump())  # a new engine's adapter removes what dead engines left, and keeps the living's
+    assert not orphan.exists() and path.exists()
     served = PeftModel.from_pretrained(tiny_lm(), str(path)).eval()  # the base: the policy's seeded start
     learners = lora.add_lora(tiny_lm(), SPEC).eval()
     missing, unexpected = learners.load_state_dict(dict(pushed), strict=False)

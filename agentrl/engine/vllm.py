@@ -248,7 +248,9 @@ class _Adapter:
 
         self.spec = LoraSpec(**spec)
         shm = Path("/dev/shm")
-        self.root = Path(tempfile.mkdtemp(prefix="agentrl-lora-", dir=shm if shm.is_dir() else None))
+        parent = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        _remove_orphans(parent)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{_ADAPTER_DIRS}{os.getpid()}-", dir=parent))
         weakref.finalize(self, shutil.rmtree, self.root, True)
         self.tensors: dict[str, Any] = {}
         self.request: Any = None  # None until the first push: the base alone
@@ -299,6 +301,18 @@ class _Adapter:
         await engine.add_lora(LoRARequest("agentrl", self.ID, str(path), load_inplace=True))
         self.request = LoRARequest("agentrl", self.ID, str(path))
         self.pushes += 1
+
+
+_ADAPTER_DIRS = "agentrl-lora-"  # <pid>-<random>: the engine process that wrote it
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Remove the adapter directories of engine processes that no longer run (killed before they could
+    clean up: an engine that dies is started again, and each would leave its adapters in memory)."""
+    for path in parent.glob(f"{_ADAPTER_DIRS}*-*"):
+        pid = path.name[len(_ADAPTER_DIRS):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 async def _next_wave(interval_s: float) -> None:
