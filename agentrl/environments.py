@@ -255,11 +255,14 @@ class Episode:
                 loop.call_soon_threadsafe(started.set)
                 return fn(*args)
 
-            self._running = loop.run_in_executor(self.environments.threads, in_thread)
+            future = self.environments.threads.submit(in_thread)
+            self._running = asyncio.wrap_future(future)
             try:
                 await started.wait()
             except asyncio.CancelledError:
-                self._running.cancel()  # not started yet: it never will; started: close waits for it
+                # Not started yet: it never will. Started (its start may not have reached the loop yet): it
+                # runs on, and close waits for it; cancelling the awaitable instead would lose what it returns.
+                future.cancel()
                 raise
             call = asyncio.shield(self._running)  # a thread cannot be stopped: the wait for it can
         try:
