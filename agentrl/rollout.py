@@ -154,9 +154,7 @@ class TrajectoryBuilder:
         """Record what the tools answered (`results`: one per call run, in order) and append the rendered
         observation; `done`: the environment ended the episode, which ends the trajectory unappended."""
         if isinstance(action, Calls):
-            calls = action.calls[: len(results)]  # calls after the one that ended the episode did not run
-            self.tool_calls += len(calls)
-            self.records += [ToolRecord(self.turn, c, r) for c, r in zip(calls, results, strict=True)]
+            calls = self._record(action, results)  # calls after the one that ended the episode did not run
             if done:
                 self.stop = StopReason.DONE
                 return
@@ -178,10 +176,14 @@ class TrajectoryBuilder:
     def add_failed_turn(self, action: Calls, completed: Sequence[ToolResult], failure: ToolResult) -> None:
         """Record a turn whose environment failed: the calls that returned before the failing one, then that
         one with `failure` (the trajectory is errored, so no observation follows)."""
-        results = [*completed, failure]
+        self._record(action, [*completed, failure])
+
+    def _record(self, action: Calls, results: Sequence[ToolResult]) -> list[ToolCall]:
+        """Keep the turn's calls that ran, one per result, in order; returns them."""
         calls = action.calls[: len(results)]
         self.tool_calls += len(calls)
         self.records += [ToolRecord(self.turn, c, r) for c, r in zip(calls, results, strict=True)]
+        return calls
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -277,7 +279,8 @@ async def _all(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
         return list(await asyncio.gather(*tasks))
     except BaseException:
         for t in tasks:
-            t.cancel()
+            if not t.cancelling():  # one request each: a second would cut short a task's own cleanup
+                t.cancel()  # (gather has made one already where the caller was cancelled)
         await asyncio.gather(*tasks, return_exceptions=True)  # until every one has stopped
         raise
 
