@@ -42,10 +42,10 @@ from agentrl.types import Prompt, Segment, StopReason, Trajectory
 
 def transport(config: Any) -> str:
     """tensors, ipc, nccl or bytes (the module docstring says when)."""
-    vllm = config.engine.kind == "vllm" and config.model.lora is None
+    full_vllm = config.engine.kind == "vllm" and config.model.lora is None  # vLLM taking the full weights
     if not config.placement.on_ray:
-        return "ipc" if vllm and config.learner.device != "cpu" else "tensors"
-    if not vllm:
+        return "ipc" if full_vllm and config.learner.device != "cpu" else "tensors"
+    if not full_vllm:
         return "bytes"
     return "nccl" if config.placement.mode == "split" else "ipc"
 

@@ -104,10 +104,10 @@ async def _run(trainer) -> dict[str, float]:
         await trainer.run()
         gb = sum(t.numel() * t.element_size() for _, t in trainer.learner.policy.state_for_sync()) / 1e9
         times = {}
-        if trainer.config.model.lora is not None:  # the adapter goes as tensors (weight_sync.transport)
+        if trainer.config.model.lora is not None:  # the adapter, as the run pushes it
             for _ in range(3):
                 start = time.perf_counter()
-                await push_weights(trainer.learner.policy, trainer.engine, "tensors")
+                await trainer.learner.push(trainer.engine)
                 times["adapter_s"] = time.perf_counter() - start  # the last of three
             return times | {"gb": gb}
         for name in ("ipc", "host", "ipc"):  # IPC twice: the first call may pay one-time costs
