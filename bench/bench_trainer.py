@@ -10,11 +10,14 @@ safetensors bytes through the host (the baseline), and prints their ratio.
 `--lora RANK` trains a LoRA adapter of that rank (alpha 2 x rank) instead of the full weights, and the push
 timed is the adapter's (what a LoRA run sends). Run it beside a full run of the same shape and batch for
 the comparison; each prints the learner's peak GPU memory (the engine's share is fixed by
-engine.gpu_memory_utilization). `--model-path` starts from a checkpoint on disk (a large random one
-written beforehand: the trainer's own random init is built and written in float32).
+engine.gpu_memory_utilization). `--model-path` starts from a checkpoint on disk; `--random-checkpoint DIR`
+from a random bf16 one of the shape written to DIR on the GPU (the trainer's own random init is built and
+written in float32 on the CPU, slow for a 7B shape).
 
     python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5
     python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5 --lora 32
+    python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-7b --random-checkpoint /tmp/q7b \
+        --lora 32 --prompts 8
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=1024)
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument("--model-path", default=None, help="a checkpoint of the shape to start from")
+    parser.add_argument("--random-checkpoint", default=None, metavar="DIR",
+                        help="start from a random bf16 checkpoint of --shape in DIR, written there on the GPU first "
+                             "unless DIR holds one")
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
@@ -58,6 +64,8 @@ def main() -> None:
             "engine.gpu_memory_utilization=0.45"]
     if args.lora:
         sets += [f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}"]
+    if args.random_checkpoint:
+        args.model_path = str(_random_checkpoint(Path(args.random_checkpoint), args.tokenizer, args.shape))
     if args.model_path:
         sets += [f"model.path={args.model_path}", "model.config=null"]
     config = load_run_config(path, sets + args.set)
@@ -90,11 +98,24 @@ def main() -> None:
     else:
         print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
               f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
-    print(f"learner peak GPU memory {peak_gib:.1f} GiB; mean step {sum(r['step_s'] for r in later) / len(later):.2f} s, "
+    mean_step = sum(r["step_s"] - r["checkpoint_s"] for r in later) / len(later)
+    print(f"learner peak GPU memory {peak_gib:.1f} GiB; mean step {mean_step:.2f} s less checkpoints, "
           f"train {sum(r['train_s'] for r in later) / len(later):.2f} s (steps 2+)")
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": rows, "push": push, "peak_gib": peak_gib, "args": vars(args)},
                                              indent=1))
+
+
+def _random_checkpoint(path: Path, tokenizer: str, shape: str) -> Path:
+    """A random bf16 checkpoint of `shape` at `path`, written on the GPU unless one is there already."""
+    if (path / "config.json").exists():
+        return path
+    from transformers import AutoTokenizer
+
+    from agentrl.engine.random_model import write_random_checkpoint
+
+    return write_random_checkpoint(path, AutoTokenizer.from_pretrained(tokenizer), shape, device="cuda",
+                                   max_position_embeddings=4096)
 
 
 async def _run(trainer) -> dict[str, float]:
