@@ -110,7 +110,7 @@ def test_the_adapter_survives_sleep_and_wake(setup):
 def test_a_colocated_lora_run_pushes_the_adapter_and_checks_every_push(tmp_path, monkeypatch):
     from agentrl.run_config import load_run_config
     from agentrl.trainer import Trainer
-    from tests.gpu.test_trainer_gpu import _run_and_compare, gpu_run_config
+    from tests.gpu.test_trainer_gpu import _run_and_compare, gpu_run_config, init_tensors
 
     monkeypatch.chdir(REPO)
     config = load_run_config(gpu_run_config(tmp_path, steps=3, prompts=8, n=4),  # beside the module's engine
@@ -121,15 +121,9 @@ def test_a_colocated_lora_run_pushes_the_adapter_and_checks_every_push(tmp_path,
     run = Path(config.run_dir)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    full_bytes = 2 * sum(t.numel() for t in _init_tensors(run))
+    full_bytes = 2 * sum(t.numel() for t in init_tensors(run))
     for m in metrics:
         assert m["sync/probe_gap"] < config.trainer.probe_tolerance
         assert 0 < m["sync/bytes"] < 0.05 * full_bytes  # the adapter only
     assert engine_gap < 0.05
     assert (run / "export" / "adapter" / "adapter_config.json").is_file()
-
-
-def _init_tensors(run: Path) -> list[torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return [t for f in sorted((run / "init").glob("*.safetensors")) for t in load_file(str(f)).values()]

@@ -4,7 +4,9 @@ tokenizer, the ToRL task with the real sandbox, in both placement modes:
 - colocated: the engine shares the learner's GPU, sleeps while it trains, and takes the weights by CUDA IPC;
 - split (with share_gpus, the one-GPU form): the engine stays awake and takes the weights by NCCL broadcast
   from the learner's process (two processes on one GPU, which NCCL sees as two hosts).
-After the last push the engine samples from the learner's final weights (the export), not the initial ones."""
+After the last push the engine samples from the learner's final weights (the export), not the initial ones.
+With `+lora` the learner trains a LoRA adapter and each push carries the adapter alone (as bytes through the
+host, in both modes) to vLLM, which serves base + adapter: the engine then samples from the merged export."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, ray_token_mode
-from tests.gpu.test_trainer_gpu import gpu_run_config
+from tests.gpu.test_trainer_gpu import gpu_run_config, init_tensors
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
               pytest.mark.timeout(1200)]
@@ -40,7 +42,7 @@ def cluster():
     subprocess.run([*command, "stop", "--force"], check=False, capture_output=True)
 
 
-@pytest.mark.parametrize("mode", ["colocated", "split"])
+@pytest.mark.parametrize("mode", ["colocated", "split", "colocated+lora", "split+lora"])
 def test_a_ray_run_on_one_gpu_pushes_the_learner_weights_to_the_vllm_engine(cluster, tmp_path, monkeypatch, mode):
     import asyncio
 
@@ -48,10 +50,14 @@ def test_a_ray_run_on_one_gpu_pushes_the_learner_weights_to_the_vllm_engine(clus
     from agentrl.trainer import Trainer
 
     monkeypatch.chdir(REPO)
+    mode, _, lora = mode.partition("+")
     sets = ["algo.entropy_coef=0.01", "learner.optim.lr=1e-4", f"placement.ray_address={cluster}",
             f"placement.mode={mode}", "engine.gpu_memory_utilization=0.3"]
     if mode == "split":
         sets.append("placement.share_gpus=true")
+    if lora:
+        pytest.importorskip("peft")
+        sets += ["model.lora.rank=16", "model.lora.alpha=32", "learner.optim.lr=2e-3"]
     config = load_run_config(gpu_run_config(tmp_path, steps=3, prompts=8, n=4), sets)
     trainer = Trainer(config)
     gaps = asyncio.run(_run_and_compare(trainer))
@@ -61,8 +67,14 @@ def test_a_ray_run_on_one_gpu_pushes_the_learner_weights_to_the_vllm_engine(clus
         assert {"timing/weight_sync", "timing/rollout", "timing/train"} <= set(m)
         assert ("timing/sleep" in m) == (mode == "colocated")
         assert m["actor/logprob_gap"] < 0.05, m["actor/logprob_gap"]
+        assert m["sync/probe_gap"] < config.trainer.probe_tolerance
     engine_gap, stale_gap = gaps
-    assert engine_gap < 0.05 and engine_gap < 0.5 * stale_gap, gaps
+    if lora:  # the adapter alone crossed (a small share of the weights' bytes); the engine serves the merged policy
+        full_bytes = 2 * sum(t.numel() for t in init_tensors(Path(config.run_dir)))  # the bf16 weights
+        assert all(0 < m["sync/bytes"] < 0.05 * full_bytes for m in metrics)
+        assert engine_gap < 0.05, gaps
+    else:
+        assert engine_gap < 0.05 and engine_gap < 0.5 * stale_gap, gaps
 
 
 async def _run_and_compare(trainer) -> tuple[float, float]:

@@ -48,6 +48,13 @@ def gpu_run_config(tmp_path: Path, steps: int, prompts: int, n: int, shape: str 
     return path
 
 
+def init_tensors(run: Path) -> list[torch.Tensor]:
+    """The run's initial weights (its init/ checkpoint), every tensor."""
+    from safetensors.torch import load_file
+
+    return [t for f in sorted((run / "init").glob("*.safetensors")) for t in load_file(str(f)).values()]
+
+
 def test_colocated_vllm_run_with_sleep_wake_and_ipc_weight_push(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     import asyncio
