@@ -224,6 +224,27 @@ def test_a_lora_run_pushes_only_the_adapter_checks_every_push_and_exports_both(t
     assert (run / "export/config.json").exists() and (run / "export/adapter/adapter_config.json").exists()
 
 
+def test_an_async_lora_run_tags_each_segment_with_the_adapter_version_that_sampled_it(tmp_path, in_repo):
+    """Asynchronous training with an adapter: rollouts run while the learner trains, each push swaps the
+    engine's adapter (checked), and every sampled segment names the version that sampled it, never older
+    than the staleness bound allows; a response that spans a push has both versions, in order."""
+    from agentrl.trainer import train
+    from tests.test_trainer import config, read_jsonl
+
+    cfg = config(tmp_path, *LORA_RUN, "trainer.steps=3", "trainer.mode=async", "trainer.max_staleness=1",
+                 "trainer.samples_per_step=64", "trainer.chunk_tokens=4", "trainer.export=false", "trainer.save_every=0")
+    run = train(cfg).root
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["sync/probe_gap"] < 1e-4 for m in metrics)  # each step's adapter is the one the engine serves
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)
+    for step in (1, 2, 3):
+        for sample in read_jsonl(run / f"samples/step_{step}.jsonl"):
+            versions = [seg["version"] for seg in sample["segments"] if seg["source"] == "model"]
+            # a response in flight at a push goes on under the new adapter (4-token requests), tagged so
+            assert versions == sorted(versions) and all(step - 2 <= v <= step - 1 for v in versions), (step, versions)
+
+
 @pytest.mark.slow
 def test_a_lora_push_that_never_arrives_fails_the_run(tmp_path, in_repo, monkeypatch):
     from agentrl.learn import Learner
