@@ -224,6 +224,14 @@ def loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
 
 
+def map_self_to_root(uid: int, gid: int) -> None:
+    """In a user namespace the caller just entered: map its own outside uid and gid (the only ones an
+    unprivileged process may map) to 0 inside, with setgroups denied as the kernel then requires."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def limit_malloc_arenas(count: int) -> None:
     """glibc reserves 64 MB of address space per thread arena; under RLIMIT_AS, cap their number."""
     _libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(count))

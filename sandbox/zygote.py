@@ -66,10 +66,7 @@ def main() -> NoReturn:
             os._exit(1)
         config["child"]["cgroup_fd"] = fds[0] if fds else None
         if config["map_self"]:  # unprivileged server: only our own uid can be mapped (to 0 inside)
-            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {host_uid} 1"),
-                               ("gid_map", f"0 {host_gid} 1")):
-                with open(f"/proc/self/{name}", "w") as f:
-                    f.write(text)
+            libc.map_self_to_root(host_uid, host_gid)
         pid = os.fork()
         if pid == 0:
             _zygote_main(ctl, config, snap)
