@@ -8,7 +8,11 @@ throughput at concurrency 1, 8 and 32. The load generator is a small keep-alive 
 so that it takes little of the CPU the two servers are measured on. The soak (many requests at a
 trainer's concurrency, failures and queue waits) is bench/soak_sandbox.py.
 
-    .venv/bin/python bench/bench_sandbox.py [--workers N]
+`--cpu-split` measures instead where the CPU of a request goes at concurrency 8 (our server alone): each
+process role's CPU per request, from /proc (a process's own time, and its reaped children's: the zygote's
+children are the runs' supervisors, the forker's the programs' processes), against the machine's busy time.
+
+    .venv/bin/python bench/bench_sandbox.py [--workers N] [--cpu-split]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastapi import Request  # noqa: E402 - module level: FastAPI resolves the annotation by name
 
-from sandbox.testing import ServerProcess, free_port  # noqa: E402
+from sandbox.testing import ServerProcess, descendants, free_port  # noqa: E402
 
 TRIVIAL = "print(1+1)"
 NUMERIC = ("import numpy as np, sympy as sp\nx = sp.Symbol('x')\n"
@@ -170,11 +174,66 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
+def _ticks(pid: int) -> tuple[int, int]:
+    """A process's own CPU and that of its reaped children, in clock ticks (utime+stime, cutime+cstime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+
+
+def _machine_busy() -> int:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return sum(values) - values[3] - values[4]  # all but idle and iowait
+
+
+def _roles(server_pid: int) -> dict[str, list[int]]:
+    """The long-lived processes by role: zygotes (a launcher's child, PID 1 of the worker's namespace) and
+    forkers (the zygote's first child, PID 2 there)."""
+    roles: dict[str, list[int]] = {"zygote": [], "forker": []}
+    for pid in descendants(server_pid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = dict(line.split(":\t", 1) for line in f.read().splitlines())["NSpid"].split()
+        except OSError:
+            continue
+        if len(nspid) == 2:
+            roles["zygote" if nspid[1] == "1" else "forker"].append(pid)
+    return roles
+
+
+def cpu_split(server: ServerProcess, n: int = 1500) -> list[tuple[str, str]]:
+    """CPU ms per request of each role over `n` requests of print(1+1) at concurrency 8."""
+    asyncio.run(load(server.port, 8, 100))  # warm up
+    roles = _roles(server.proc.pid)
+    watched = [server.proc.pid, *roles["zygote"], *roles["forker"]]
+    before, busy, me = {pid: _ticks(pid) for pid in watched}, _machine_busy(), os.times()
+    asyncio.run(load(server.port, 8, n))
+    after, busy, done = {pid: _ticks(pid) for pid in watched}, _machine_busy() - busy, os.times()
+    per = 1000 / os.sysconf("SC_CLK_TCK") / n
+
+    def total(pids: list[int], which: int) -> float:
+        return sum(after[pid][which] - before[pid][which] for pid in pids) * per
+
+    client = ((done.user + done.system) - (me.user + me.system)) * 1000 / n
+    rows = [("HTTP server (FastAPI, the pool)", total([server.proc.pid], 0)), ("load generator", client),
+            ("zygotes", total(roles["zygote"], 0)), ("supervisors (the zygotes' children)", total(roles["zygote"], 1)),
+            ("forkers", total(roles["forker"], 0)), ("programs (the forkers' children)", total(roles["forker"], 1))]
+    rows.append(("the rest (kernel threads: namespace teardown, ...)", busy * per - sum(v for _, v in rows)))
+    rows.append(("machine, busy", busy * per))
+    return [(name, f"{value:.2f} ms") for name, value in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=None, help="sandbox workers (default: the server's)")
     parser.add_argument("--baseline", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-split", action="store_true", help="where a request's CPU goes, by process role")
     args = parser.parse_args()
+    if args.cpu_split:
+        with ServerProcess(*(["--workers", str(args.workers)] if args.workers else []), "--max-sessions", "0") as ours:
+            table(cpu_split(ours), "CPU per request of print(1+1) at concurrency 8, by role", ("metric", "CPU"))
+        return
     if args.baseline is not None:
         import uvicorn
 

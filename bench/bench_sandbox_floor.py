@@ -4,18 +4,18 @@ A sandbox run needs, whatever the code around it: a process for the program fork
 imported numpy and sympy (so that a run does not pay for those imports), fresh mount, IPC and network
 namespaces, a PID namespace whose PID 1 (the supervisor) the program cannot reach, and every one of those
 processes' exits. This bench times each step alone, in one process, in the ways the sandbox can arrange
-them (`sandbox/zygote.py` and `sandbox/supervisor.py`):
+them (`sandbox/zygote.py`, `sandbox/forker.py` and `sandbox/supervisor.py`):
 
 - a lean supervisor: a Python without numpy forks a child into a new PID namespace (as the zygote forks
   its supervisors), which makes new mount, IPC and network namespaces and exits;
 - the program's process forked from the preloaded image (numpy and sympy imported, GC frozen, its heap on
-  2 MB pages as the zygote keeps it), exiting at once;
-- today's chain: the preloaded image forks the supervisor into a new PID namespace, which makes the same
-  namespaces and forks the program from itself.
+  2 MB pages as the forker keeps it), exiting at once;
+- the chain before the lean supervisor: the preloaded image forks the supervisor into a new PID namespace,
+  which makes the same namespaces and forks the program from itself.
 
 Each row leaves out what the processes do once they exist (mounts, the request, the program's code), so
-a design costs at least its rows: a lean supervisor with the program forked by the zygote, the first two;
-today's design, the third. CPU is the parent's and the reaped children's user + system time per iteration; machine busy is the whole
+a design costs at least its rows: the lean supervisor with the program forked from the preloaded image
+(today's sandbox), the first two; the design before it, the third. CPU is the parent's and the reaped children's user + system time per iteration; machine busy is the whole
 machine's (/proc/stat), which also counts the kernel workers that tear network namespaces down afterwards:
 run it on an otherwise idle machine. Sum the steps of a design
 and add the HTTP server's and the program's own work to see how many requests a second two cores can
@@ -127,7 +127,7 @@ def main() -> None:
     huge = libc.collapse_to_huge_pages()
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     row("program: fork of the preloaded image + exit", _nothing)
-    row("today: preloaded fork into a new PID namespace, new namespaces, fork again + exit",
+    row("before: preloaded fork into a new PID namespace, new namespaces, fork again + exit",
         _namespaces_then_fork, pid_namespace=True)
     print(f"preloaded image: numpy + sympy, {rss / 2**20:.0f} MiB resident, {huge / 2**20:.0f} MiB on 2 MB pages; "
           f"{args.iterations} iterations a row")
@@ -136,7 +136,7 @@ def main() -> None:
     for label, wall, cpu, busy in rows:
         print(f"{label:<{width}}  {wall:>8.2f}  {cpu:>7.2f}  {busy:>15.2f}")
     lean = rows[1][3] + rows[2][3]
-    print(f"floor of a request's CPU (machine busy): lean supervisor + program {lean:.2f} ms, today's chain "
+    print(f"floor of a request's CPU (machine busy): lean supervisor + program {lean:.2f} ms, the chain before it "
           f"{rows[3][3]:.2f} ms ({rows[3][3] / lean:.2f}x)")
 
 

@@ -1,17 +1,18 @@
-"""The run's program process: a fork of the run's supervisor (supervisor.py) that becomes the program.
+"""The run's program process, forked by the program forker (forker.py) into the run's namespaces.
 
-The supervisor forks it ahead of the run (a session's, when the session starts) and it prepares what does
-not depend on the request (`prepare`): it joins the run's memory cgroup, closes every descriptor it
-inherited, drops to the run's unprivileged uid (or, in the single-uid fallback, drops every capability)
-with its static rlimits, sets no_new_privs and a seccomp filter that denies the kernel keyring and the
-kernel log (`DENIED_SYSCALLS`: state that outlives a run and is kept per uid), inotify/fanotify and
-io_uring, and sockets of families other than Unix, IP and route netlink (`ALLOWED_SOCKETS`), reseeds the random
-generators and builds a fresh `__main__`. Then it waits. When the supervisor hands it the run (`start`),
-it puts the run's stdout/stderr at fds 1/2, reads the request, writes the input files and the program
-file, sets the run's memory and CPU limits, tells the supervisor it starts, closes its last line to it
-and becomes the program: Python runs in this already-warm interpreter from `/tmp/work/main.py` (so
-`__file__` is defined), bash is exec'd on `/tmp/work/main.sh`. What it exits with is what the supervisor
-reports; it has no way to send anything else.
+It is forked ahead of the run (a session's, when the session starts), already under no_new_privs and the
+seccomp filter it inherits from the forker (forker.confine: the kernel keyring and log, state that
+outlives a run and is kept per uid, `DENIED_SYSCALLS`; inotify/fanotify and io_uring; sockets of families
+other than Unix, IP and route netlink, `ALLOWED_SOCKETS`), and prepares what does not depend on the request
+(`prepare`): it joins the run's memory cgroup, closes every descriptor it inherited, drops to the run's
+unprivileged uid (or, in the single-uid fallback, drops every capability) with its static rlimits, reseeds
+the random generators and builds a fresh `__main__`. Then it waits. When its supervisor (supervisor.py)
+hands it the run (`start`), it puts the run's stdout/stderr at fds 1/2, reads the request, writes the input
+files and the program file, sets the run's memory and CPU limits, tells the supervisor it starts, closes its
+last line to it and becomes the program: Python runs in this already-warm interpreter from
+`/tmp/work/main.py` (so `__file__` is defined), bash is exec'd on `/tmp/work/main.sh`. Its exit status,
+which its parent the forker passes to the supervisor, is what the supervisor reports; it has no way to send
+anything else.
 
 Sessions (sessions.py) keep the process alive and loop over length-prefixed calls on the session's socket,
 keeping one `__main__`.
@@ -94,8 +95,6 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
-    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS, ALLOWED_SOCKETS)
     # setresuid made us non-dumpable, which hands /proc/self (fd, environ, ...) to the namespace's root:
     # the program could not even list its own descriptors. Its uid is its alone, so this exposes nothing.
     libc.prctl(libc.PR_SET_DUMPABLE, 1)

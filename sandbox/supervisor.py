@@ -6,18 +6,21 @@ it installs no signal handler during a run (so, as PID 1, it ignores every signa
 the program never holds its socket to the server. It is forked *ahead* of its run and prepares what does
 not depend on the request: fresh mount, IPC and network namespaces (the network one with only a
 loopback interface, up), a size-limited tmpfs on /tmp holding the working dir /tmp/work, the binds the
-root view has under /tmp made again on top of it, a fresh /proc (`_mount`); meanwhile the program's
-process (program.py, forked first thing) drops its privileges, and then waits too.
+root view has under /tmp made again on top of it, a fresh /proc (`_mount`); meanwhile the program forker
+(forker.py) forks the program's process into these namespaces at its request (`_fork_program`), which
+drops its privileges and then waits too. The supervisor is a fork of the lean zygote, the program's
+process one of the forker's preloaded interpreter: no run forks the large image twice.
 
 When the run arrives (`_run`) it reads the request from the server's socket, hands it with the run's
 stdout/stderr to the program, and watches: the program tells it once that it starts (then closes its
-last line to the supervisor), and its exit is seen through a pidfd, or the supervisor kills it at its
-deadline. Then the supervisor kills and reaps every process left in the namespace, reads the fetched
-files as the run's user (resolved beneath the run's /tmp, never through a link out of it: a link to
-/proc/self/fd/N would otherwise reach the supervisor's own descriptors), and only then writes the report: status, return code, time and files are what
-it observed itself. A session (`_session`) gets a program process with the session's uid that keeps the
-socket and serves calls; the supervisor forwards the server's interrupts to it and outlives it only to
-kill what it left behind.
+last line to the supervisor), and its exit status comes from the forker (its parent), or the supervisor
+kills it at its deadline. Then the supervisor kills and reaps every process left in the namespace, reads
+the fetched files as the run's user (resolved beneath the run's /tmp, never through a link out of it: a
+link to /proc/self/fd/N would otherwise reach the supervisor's own descriptors), and only then writes the
+report: status, return code, time and files are what it observed itself or learnt from the forker. A
+session (`_session`) gets a program process with the session's uid that keeps the socket and serves
+calls; the supervisor forwards the server's interrupts to it and outlives it only to kill what it left
+behind.
 """
 
 from __future__ import annotations
@@ -42,23 +45,21 @@ from sandbox.wire import read_all_fd, recv_msg, send_msg, write_all_fd
 
 @dataclass
 class _Program:
-    pid: int
-    pidfd: int
     channel: socket.socket  # ours; the program closes its end once it starts
+    pid: int = 0  # in our PID namespace, as the program's process reported it while it was still ours
 
 
-def main(static: dict[str, Any], channel: int, inherited: list[int]) -> NoReturn:
-    """Entry point right after the zygote's fork; never returns."""
+def main(static: dict[str, Any], channel: int, inherited: list[int], forker: int) -> NoReturn:
+    """Entry point right after the zygote's fork; never returns. `forker`: our line to the program forker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # no handler (Python's raises KeyboardInterrupt): PID 1
+    fork = socket.socket(fileno=forker)
     try:
         for fd in inherited:
             os.close(fd)
         # IPC and network: SysV objects, abstract sockets, ports and TIME_WAIT entries of one run are not
         # there for the next one of this worker.
         libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWNET)
-        # The program's process is forked first thing: every page we touch before forking it (a write
-        # splits the zygote's huge pages) is a page table the fork has to copy.
-        prepared = _fork_program(static, static["uid"]) if static["uid"] is not None else None
+        prepared = _fork_program(fork, static["uid"]) if static["uid"] is not None else None
         _mount(static)
         if prepared is not None:
             _release(prepared, static["uid"])
@@ -72,9 +73,9 @@ def main(static: dict[str, Any], channel: int, inherited: list[int]) -> NoReturn
         _kill_all()
         os._exit(0)
     if msg["op"] == "session":
-        _session(static, msg, fds)
+        _session(static, fork, msg, fds)
     assert prepared is not None
-    _run(static, prepared, msg, fds)
+    _run(static, fork, prepared, msg, fds)
 
 
 def _mount(static: dict[str, Any]) -> None:
@@ -97,26 +98,18 @@ def inodes_for(disk_mb: int) -> int:
     return max(1024, disk_mb * 64)
 
 
-def _fork_program(static: dict[str, Any], uid: int) -> _Program:
-    """Fork the program's process; it prepares itself, then waits for `_release`."""
+def _fork_program(fork: socket.socket, uid: int) -> _Program:
+    """Have the program forker fork the program's process into our PID namespace; it joins our mount, IPC
+    and network namespaces, prepares itself, then waits for `_release`."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        try:  # never return into the supervisor's code, whatever the program did to the interpreter
-            ours.close()
-            namespace = program.prepare(static, uid, theirs.fileno())
-            mounted, _ = recv_msg(theirs)
-            if mounted is None:
-                program.exit_now(0)
-            os.chdir(WORKDIR)
-            send_msg(theirs, {"op": "ready"})
-            _program_main(theirs, namespace)
-        except BaseException as e:  # noqa: BLE001
-            os.write(2, f"sandbox: preparing the program failed: {type(e).__name__}: {e}\n".encode())
-        finally:
-            program.exit_now(SETUP_FAILED)
-    theirs.close()  # (the cgroup's descriptor stays open: a program's process forked again joins too)
-    return _Program(pid, os.pidfd_open(pid), ours)
+    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in ("pid", "mnt", "ipc", "net")]
+    try:
+        send_msg(fork, {"op": "fork", "uid": uid}, [theirs.fileno(), *namespaces])
+    finally:
+        theirs.close()
+        for fd in namespaces:
+            os.close(fd)
+    return _Program(ours)
 
 
 def _release(prog: _Program, uid: int) -> None:
@@ -126,45 +119,25 @@ def _release(prog: _Program, uid: int) -> None:
     ready, _ = recv_msg(prog.channel)
     if ready is None or ready.get("op") != "ready":
         raise RuntimeError("the program's process died while preparing")
+    prog.pid = int(ready["pid"])
 
 
-def _program_main(chan: socket.socket, namespace: dict[str, Any]) -> NoReturn:
-    """In the program's process: wait for the run (or session), set it up, become the program."""
-    msg, fds = recv_msg(chan)
-    if msg is None:
-        program.exit_now(0)
-    limits = msg["limits"]
-    if msg["op"] == "session":
-        chan.close()
-        program.place_fds(fds, (program.SESSION_FD, 1, 2))
-        os.set_inheritable(program.SESSION_FD, False)  # the session's own children never get the socket
-        program.set_limits(limits)
-        program.session_loop(namespace, limits)
-    try:
-        request = program.load_request(fds[0], limits["request_bytes"])
-        path = program.start(request, msg["lang"], limits, fds[1:])
-    except program.RequestError as e:
-        send_msg(chan, {"op": "refused", "error": str(e)})
-        program.exit_now(SETUP_FAILED)
-    except Exception as e:  # noqa: BLE001 - the sandbox's fault: reported as such
-        send_msg(chan, {"op": "failed", "error": f"sandbox setup failed: {type(e).__name__}: {e}"})
-        program.exit_now(SETUP_FAILED)
-    send_msg(chan, {"op": "started"})
-    chan.close()  # from here on the program has no line to anyone but its own output
-    args = request.get("args") or []
-    if msg["lang"] == "bash":
-        program.exec_bash(path, args)
-    program.run_python(path, args, namespace)
+def _exit_code(fork: socket.socket) -> int:
+    """The program's exit status, which the forker (its parent) sends once it has exited."""
+    msg, _ = recv_msg(fork)
+    if msg is None or msg.get("op") != "exit":
+        raise RuntimeError("the program forker is gone")
+    return int(msg["code"])
 
 
-def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[int]) -> NoReturn:
+def _run(static: dict[str, Any], fork: socket.socket, prog: _Program, msg: dict[str, Any], fds: list[int]) -> NoReturn:
     sock = fds[0]
     limits = msg["limits"]
     request: dict[str, Any] = {}
     try:
-        if select.select([prog.pidfd], [], [], 0)[0]:  # killed while it waited (the run before us OOMed)
-            os.waitpid(prog.pid, 0)
-            prog = _fork_program(static, static["uid"])
+        if select.select([fork], [], [], 0)[0]:  # it exited while it waited (killed: the run before us OOMed)
+            _exit_code(fork)
+            prog = _fork_program(fork, static["uid"])
             _release(prog, static["uid"])
         raw = read_all_fd(sock, limits["request_bytes"])
         request = json.loads(raw)
@@ -172,7 +145,7 @@ def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[
         write_all_fd(memfd, raw)
         send_msg(prog.channel, {"op": "run", "lang": msg["lang"], "limits": limits}, [memfd, *fds[1:]])
         os.close(memfd)
-        report = _watch(prog, msg["timeout"], msg["lang"])
+        report = _watch(prog, fork, msg["timeout"], msg["lang"])
     except (OSError, ValueError, RuntimeError) as e:
         report = {"status": "error", "error": f"sandbox setup failed: {type(e).__name__}: {e}"}
     for fd in fds[1:]:
@@ -189,11 +162,11 @@ def _run(static: dict[str, Any], prog: _Program, msg: dict[str, Any], fds: list[
     os._exit(0)
 
 
-def _watch(prog: _Program, timeout: float, lang: str) -> dict[str, Any]:
+def _watch(prog: _Program, fork: socket.socket, timeout: float, lang: str) -> dict[str, Any]:
     """Until the program exits or its deadline: the program's one message, then its exit status."""
     sel = selectors.DefaultSelector()
     sel.register(prog.channel, selectors.EVENT_READ)
-    sel.register(prog.pidfd, selectors.EVENT_READ)
+    sel.register(fork, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout  # the setup (writing the files) gets the run's time too
     started: float | None = None
     while True:
@@ -213,11 +186,10 @@ def _watch(prog: _Program, timeout: float, lang: str) -> dict[str, Any]:
             elif reply.get("op") in ("refused", "failed") and started is None:
                 return {"status": "refused" if reply["op"] == "refused" else "error",
                         "error": str(reply.get("error"))}
-        if any(key.fd == prog.pidfd for key, _ in events):
-            _, status = os.waitpid(prog.pid, 0)
+        if any(key.fileobj is fork for key, _ in events):
+            code = _exit_code(fork)
             if started is None:
                 return {"status": "error", "error": "the program's process died while setting up the run"}
-            code = os.waitstatus_to_exitcode(status)
             if lang == "bash" and code < 0:
                 code = 128 - code  # killed by a signal: the shell's 128+N convention
             return {"status": "finished", "code": code, "time": now - started}
@@ -304,10 +276,10 @@ def _read_up_to(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _session(static: dict[str, Any], msg: dict[str, Any], fds: list[int]) -> NoReturn:
+def _session(static: dict[str, Any], fork: socket.socket, msg: dict[str, Any], fds: list[int]) -> NoReturn:
     """A session: its program process gets the socket; the server's interrupts are passed on to it."""
     try:
-        prog = _fork_program(static, msg["uid"])
+        prog = _fork_program(fork, msg["uid"])
         _release(prog, msg["uid"])
     except BaseException as e:  # noqa: BLE001
         os.write(2, f"sandbox: starting a session failed: {type(e).__name__}: {e}\n".encode())
@@ -317,8 +289,10 @@ def _session(static: dict[str, Any], msg: dict[str, Any], fds: list[int]) -> NoR
     for fd in fds:
         os.close(fd)
     prog.channel.close()
-    _, status = os.waitpid(prog.pid, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program is reaped: its pid is no longer ours
+    try:
+        code = _exit_code(fork)
+    except RuntimeError:
+        code = -signal.SIGKILL
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program is gone: its pid is no longer ours to signal
     _kill_all()
-    code = os.waitstatus_to_exitcode(status)
     os._exit(128 - code if code < 0 else code & 0xFF)

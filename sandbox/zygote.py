@@ -9,22 +9,24 @@ scrubbed environment. Two processes result:
   zygote and waits for it;
 * the zygote is PID 1 of that PID namespace: it becomes root of its user namespace, takes a fresh
   session keyring, builds and pivots into the read-only root (rootfs.build_root), forbids nested user
-  namespaces, pre-imports math/numpy/sympy, freezes the GC, then serves control messages. A run worker
-  keeps one child (supervisor.py, PID 1 of a fresh nested PID namespace, with the program's process it
-  forks) forked and prepared ahead; "run" hands it the run's descriptors and starts a backstop deadline
-  (the supervisor enforces the run's own timeout), and the next child is forked right away, to be
-  prepared while that run goes on. The sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's
-  exit is reported with its status, whether the backstop killed it, and its wall time.
+  namespaces, forks the program forker (forker.py), which pre-imports math/numpy/sympy and forks every
+  program's process, then serves control messages. The zygote itself imports none of that: each run's
+  supervisor is a fork of it, so a fork of a small process. A run worker keeps one child (supervisor.py,
+  PID 1 of a fresh nested PID namespace, with the program's process the forker made for it there) forked
+  and prepared ahead; "run" hands it the run's descriptors and starts a backstop deadline (the supervisor
+  enforces the run's own timeout), and the next child is forked right away, to be prepared while that run
+  goes on. The sessions' zygote forks a child per "session". "kill"/"signal" act on a child; each child's
+  exit is reported with its status, whether the backstop killed it, and its wall time. If the forker dies,
+  so does the zygote (and the whole worker with it: the server starts a new one).
 
-The zygote never reads a run's code, input or output (they go straight between the server and the
-child), so nothing of one run stays in the memory that later runs are forked from. If the launcher or the
+Neither the zygote nor the forker reads a run's code, input or output (they go straight between the
+server and the run's processes), so nothing of one run stays in the memory that later runs are forked from. If the launcher or the
 zygote dies, PR_SET_PDEATHSIG and PID-namespace teardown kill every process below it.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import selectors
 import signal
@@ -35,7 +37,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from sandbox import libc, program, supervisor  # imported now: their files are not visible after pivot_root
+# imported now: their files are not visible after pivot_root
+from sandbox import forker, libc, program, supervisor
 from sandbox.rootfs import HostSnapshot, RootSpec, build_root
 from sandbox.wire import recv_msg, send_msg
 
@@ -100,25 +103,35 @@ def _zygote_main(ctl: socket.socket, config: dict[str, Any], snap: HostSnapshot)
         # namespace, and much less kernel surface to probe. (The limit is per user namespace: ours.)
         with open("/proc/sys/user/max_user_namespaces", "w") as f:
             f.write("0")
-        missing = []
-        for name in config["preload"]:
-            try:
-                importlib.import_module(name)
-            except ImportError as e:  # serve without it; programs importing it pay the import
-                missing.append(f"{name}: {e}")
-        for snippet in config.get("warmup", []):
-            try:
-                exec(snippet, {})  # first calls that pull in lazily imported submodules (sympy's printers)
-            except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a requirement
-                missing.append(f"warm-up failed: {e}")
-        program.locate_numpy_state()
-        gc.collect()
-        gc.freeze()  # forked children then never touch (copy) the pages of these objects for GC
-        libc.collapse_to_huge_pages()  # fork and reap by 2 MB page-table entries, not 4 KB ones
+        forker_ctl, forker_pid, missing = _start_forker(ctl, config)
         send_msg(ctl, {"op": "ready", "missing": missing})
     except BaseException as e:  # noqa: BLE001
         _startup_failed(ctl, e)
-    _Zygote(ctl, config["child"], config["prefork"]).serve()
+    _Zygote(ctl, config["child"], config["prefork"], forker_ctl, forker_pid).serve()
+
+
+def _start_forker(ctl: socket.socket, config: dict[str, Any]) -> tuple[socket.socket, int, list[str]]:
+    """Fork the program forker (forker.py), which preloads; returns our line to it, its pid and what it
+    could not preload. We never import what it preloads: every supervisor is a fork of us."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ctl.close()
+            ours.close()
+            forker.main(theirs, config)
+        finally:
+            os._exit(1)
+    theirs.close()
+    cgroup_fd = config["child"].get("cgroup_fd")
+    if cgroup_fd is not None:  # the forker's program processes join the run cgroup with it; we never do
+        os.close(cgroup_fd)
+    reply, _ = recv_msg(ours)
+    if reply is None or reply.get("op") != "ready":
+        raise RuntimeError(f"the program forker did not start: {(reply or {}).get('message', 'it exited')}")
+    gc.collect()
+    gc.freeze()
+    return ours, pid, reply["missing"]
 
 
 @dataclass
@@ -134,12 +147,16 @@ class _Child:
 
 
 class _Zygote:
-    def __init__(self, ctl: socket.socket, static: dict[str, Any], prefork: bool) -> None:
+    def __init__(self, ctl: socket.socket, static: dict[str, Any], prefork: bool, forker_ctl: socket.socket,
+                 forker_pid: int) -> None:
         self.ctl = ctl
+        self.forker = forker_ctl
+        self.forker_pidfd = os.pidfd_open(forker_pid)
         self.static = static
         self.prefork = prefork
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ)
+        self.sel.register(self.forker_pidfd, selectors.EVENT_READ)  # its end is ours: no runs without it
         self.children: dict[int, _Child] = {}  # pidfd -> child
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.spare: _Child | None = None
@@ -156,6 +173,8 @@ class _Zygote:
             for key, _ in sorted(self.sel.select(timeout), key=lambda event: event[0].fileobj is not self.ctl):
                 if key.fileobj is self.ctl:
                     self._on_control()
+                elif key.fd == self.forker_pidfd:
+                    os._exit(1)
                 else:
                     self._on_exit(key.fd)
             now = time.monotonic()
@@ -180,24 +199,30 @@ class _Zygote:
 
     def _fork(self) -> _Child:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        to_forker, forkers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            send_msg(self.forker, {"op": "run"}, [forkers.fileno()])  # the supervisor's line to the forker
+        finally:
+            forkers.close()
         channels = [c.channel.fileno() for c in self.children.values() if c.channel is not None]
-        inherited = [self.ctl.fileno(), self.sel.fileno(), self.own_pidns, *self.children, *channels,
-                     ours.fileno()]
+        inherited = [self.ctl.fileno(), self.sel.fileno(), self.own_pidns, self.forker.fileno(), self.forker_pidfd,
+                     *self.children, *channels, ours.fileno()]
         libc.unshare(libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
         try:
             pid = os.fork()
         except OSError:
             libc.setns(self.own_pidns, libc.CLONE_NEWPID)
-            ours.close()
-            theirs.close()
+            for s in (ours, theirs, to_forker):
+                s.close()
             raise
         if pid == 0:
             try:  # never return into the zygote's loop, whatever the program did to the interpreter
-                supervisor.main(self.static, theirs.fileno(), inherited)
+                supervisor.main(self.static, theirs.fileno(), inherited, to_forker.fileno())
             finally:
                 os._exit(program.SETUP_FAILED)
         libc.setns(self.own_pidns, libc.CLONE_NEWPID)
         theirs.close()
+        to_forker.close()
         pidfd = os.pidfd_open(pid)
         self.keys += 1
         new = self.children[pidfd] = _Child(pid, ours, self.keys)

@@ -3,8 +3,8 @@
 The server has one worker, so consecutive requests run on the same worker (the same zygote, uid and
 cgroup): whatever one run could leave there, the next one would find. Checked: nothing of a run persists
 for the next (the kernel keyring, the network namespace), a program cannot forge its answer (status,
-return code, time, files) by writing to descriptors it holds, and the answer comes only once every process
-of the run is dead.
+return code, time, files) by writing to descriptors it holds, the answer comes only once every process
+of the run is dead, and only the program's process is a fork of the preloaded interpreter.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from sandbox.testing import ServerProcess, sandbox_uid_processes
+from sandbox.testing import ServerProcess, descendants, sandbox_uid_processes
 
 SECRET = f"key-{uuid.uuid4().hex}"
 
@@ -182,3 +182,37 @@ def test_a_prepared_program_killed_while_waiting_is_replaced(server):
     assert body["status"] == "Success", body
     if server.cgroup_memory:
         assert re.search(r"/worker0\.\d+/run$", body["run_result"]["stdout"], re.M), body["run_result"]["stdout"]
+
+
+def _nested(server: ServerProcess) -> dict[int, tuple[list[str], bool]]:
+    """The server's processes: pid -> (its pid in each PID namespace, outermost first; whether it maps numpy)."""
+    found = {}
+    for pid in descendants(server.proc.pid):
+        try:
+            status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+            maps = open(f"/proc/{pid}/maps").read()
+        except OSError:
+            continue
+        found[pid] = (status["NSpid"].split(), "numpy" in maps)
+    return found
+
+
+def test_the_supervisor_is_lean_and_the_program_preloaded(server):
+    """A run's supervisor is a fork of the zygote, which never imports the preload list: it maps no numpy.
+    Its program's process (PID 2 beside it) is a fork of the forker's preloaded interpreter: numpy is mapped
+    before any request. Checked on the next run's prepared pair."""
+    pytest.importorskip("numpy")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        nested = _nested(server)
+        runs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == "1"]
+        programs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == "2"]
+        if runs and programs:
+            break
+        time.sleep(0.05)  # a polling interval: the process table is read each time
+    else:
+        raise AssertionError(f"no prepared supervisor and program appeared: {nested}")
+    assert not any(runs), nested
+    assert all(programs), nested
+    zygotes = [maps for ids, maps in nested.values() if len(ids) == 2 and ids[-1] == "1"]
+    assert zygotes == [False], nested

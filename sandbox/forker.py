@@ -1,0 +1,215 @@
+"""The program forker: the one process of a worker that holds the preloaded interpreter, and forks every
+run's program process from it, straight into that run's namespaces.
+
+The zygote (zygote.py) forks it once, before importing anything heavy itself, so that the zygote and the
+supervisors it forks per run stay lean (a fork's cost grows with the memory of the process forked). The
+forker imports the preload list (numpy, sympy, ...), freezes the GC, collapses its memory into huge pages,
+reports what it could not import, then serves:
+
+* the zygote hands it one end of a socketpair per supervisor it forks (the supervisor keeps the other);
+* a supervisor asks on it for its program's process, passing its PID, mount, IPC and network namespaces
+  and the program's end of a channel to itself (`fork`). The forker enters that PID namespace for its next
+  child only and forks; the child joins the other three namespaces while it is still privileged, then
+  prepares as program.py says and waits for its supervisor's word (`program_main`);
+* when a program's process exits, the forker reads its status without reaping it and sends it to that
+  process's supervisor, the only one who may learn it: the program is the forker's child, not the
+  supervisor's, so the supervisor cannot wait for it. The process is reaped once its supervisor's channel
+  closes (the supervisor has exited, which the kernel holds up until every process of its PID namespace is
+  reaped).
+
+The program cannot reach the forker: it runs under another uid, holds none of its descriptors, and its
+exit status is all the forker ever takes from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import importlib
+import os
+import selectors
+import socket
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from sandbox import libc, program
+from sandbox.program import SETUP_FAILED, WORKDIR
+from sandbox.wire import recv_msg, send_msg
+
+# The namespaces a program's process joins after its fork, in this order (it was forked into the PID one).
+JOINED = (libc.CLONE_NEWNS, libc.CLONE_NEWIPC, libc.CLONE_NEWNET)
+
+
+def preload(modules: list[str], warmup: list[str]) -> list[str]:
+    """Import `modules` and run the `warmup` snippets; returns what failed (the runs then pay for it)."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # serve without it; programs importing it pay the import
+            missing.append(f"{name}: {e}")
+    for snippet in warmup:
+        try:
+            exec(snippet, {})  # first calls that pull in lazily imported submodules (sympy's printers)
+        except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a requirement
+            missing.append(f"warm-up failed: {e}")
+    program.locate_numpy_state()
+    gc.collect()
+    gc.freeze()  # forked children then never touch (copy) the pages of these objects for GC
+    libc.collapse_to_huge_pages()  # fork and reap by 2 MB page-table entries, not 4 KB ones
+    return missing
+
+
+def confine() -> None:
+    """no_new_privs and the programs' seccomp filter (program.DENIED_SYSCALLS, program.ALLOWED_SOCKETS), set
+    here once: every program's process is our child and inherits both, irrevocably. We need none of what
+    the filter denies."""
+    libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
+    libc.deny_syscalls(program.DENIED_SYSCALLS, errno.ENOSYS, program.ALLOWED_SOCKETS)
+
+
+def main(ctl: socket.socket, config: dict[str, Any]) -> NoReturn:
+    """The forker's entry point, right after the zygote's fork; `ctl` is its line to the zygote."""
+    try:
+        missing = preload(config["preload"], config.get("warmup", []))
+        confine()
+        send_msg(ctl, {"op": "ready", "missing": missing})
+        _Forker(ctl, config["child"]).serve()
+    except BaseException as e:  # noqa: BLE001 - the zygote sees our exit (or this message) and fails
+        try:
+            send_msg(ctl, {"op": "failed", "message": f"{type(e).__name__}: {e}"})
+        finally:
+            os._exit(1)
+
+
+@dataclass
+class _Run:
+    """A supervisor's channel and the program processes forked for it (pid -> pidfd, None once exited)."""
+    channel: socket.socket
+    programs: dict[int, int | None] = field(default_factory=dict)
+
+
+class _Forker:
+    def __init__(self, ctl: socket.socket, static: dict[str, Any]) -> None:
+        self.ctl = ctl
+        self.static = static
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl, selectors.EVENT_READ, ("control", None))
+        self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+
+    def serve(self) -> NoReturn:
+        while True:
+            for key, _ in self.sel.select():
+                kind, target = key.data
+                if kind == "control":
+                    self._on_control()
+                elif kind == "run":
+                    self._on_request(target)
+                else:
+                    self._on_exit(*target)
+
+    def _on_control(self) -> None:
+        msg, fds = recv_msg(self.ctl)
+        if msg is None:  # the zygote is gone (and with it, as PID 1 of our namespace, so are we)
+            os._exit(0)
+        run = _Run(socket.socket(fileno=fds[0]))
+        self.sel.register(run.channel, selectors.EVENT_READ, ("run", run))
+
+    def _on_request(self, run: _Run) -> None:
+        msg, fds = recv_msg(run.channel)
+        if msg is None:  # the supervisor has exited: reap what it left (its namespace kills the rest)
+            self.sel.unregister(run.channel)
+            run.channel.close()
+            for pid, pidfd in list(run.programs.items()):
+                if pidfd is None:
+                    os.waitpid(pid, 0)
+                    del run.programs[pid]
+            return
+        try:
+            pid = self._fork(msg["uid"], fds)
+        except OSError as e:  # the program's channel is closed unused: the supervisor sees that
+            os.write(2, f"sandbox: forking a program failed: {e}\n".encode())
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        run.programs[pid] = pidfd
+        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", (run, pid)))
+
+    def _fork(self, uid: int, fds: list[int]) -> int:
+        """fds: the program's channel, then the run's PID, mount, IPC and network namespaces."""
+        channel, pidns, *joined = fds
+        if len(joined) != len(JOINED):
+            raise OSError(f"expected a channel and 4 namespaces, got {len(fds)} descriptors")
+        libc.setns(pidns, libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
+        try:
+            pid = os.fork()
+        except OSError:
+            libc.setns(self.own_pidns, libc.CLONE_NEWPID)
+            raise
+        if pid == 0:
+            try:  # never return into the forker's loop, whatever the program did to the interpreter
+                for fd, kind in zip(joined, JOINED, strict=True):
+                    libc.setns(fd, kind)
+                program_main(self.static, uid, channel)
+            except BaseException as e:  # noqa: BLE001
+                os.write(2, f"sandbox: preparing the program failed: {type(e).__name__}: {e}\n".encode())
+            finally:
+                program.exit_now(SETUP_FAILED)
+        libc.setns(self.own_pidns, libc.CLONE_NEWPID)
+        return pid
+
+    def _on_exit(self, run: _Run, pid: int) -> None:
+        pidfd = run.programs[pid]
+        assert pidfd is not None
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if run.channel.fileno() < 0:  # its supervisor is gone: nobody to tell
+            os.waitpid(pid, 0)
+            del run.programs[pid]
+            return
+        run.programs[pid] = None
+        try:
+            send_msg(run.channel, {"op": "exit", "code": code})
+        except OSError:
+            pass  # the supervisor is exiting; its channel's end (seen next) reaps this process
+
+
+def program_main(static: dict[str, Any], uid: int, channel: int) -> NoReturn:
+    """In the program's process: prepare (program.prepare), wait until the supervisor has mounted the
+    run's /tmp, then for the run or session, and become the program."""
+    chan = socket.socket(fileno=channel)
+    namespace = program.prepare(static, uid, channel)
+    mounted, _ = recv_msg(chan)
+    if mounted is None:
+        program.exit_now(0)
+    os.chdir(WORKDIR)
+    send_msg(chan, {"op": "ready", "pid": os.getpid()})
+    msg, fds = recv_msg(chan)
+    if msg is None:
+        program.exit_now(0)
+    limits = msg["limits"]
+    if msg["op"] == "session":
+        chan.close()
+        program.place_fds(fds, (program.SESSION_FD, 1, 2))
+        os.set_inheritable(program.SESSION_FD, False)  # the session's own children never get the socket
+        program.set_limits(limits)
+        program.session_loop(namespace, limits)
+    try:
+        request = program.load_request(fds[0], limits["request_bytes"])
+        path = program.start(request, msg["lang"], limits, fds[1:])
+    except program.RequestError as e:
+        send_msg(chan, {"op": "refused", "error": str(e)})
+        program.exit_now(SETUP_FAILED)
+    except Exception as e:  # noqa: BLE001 - the sandbox's fault: reported as such
+        send_msg(chan, {"op": "failed", "error": f"sandbox setup failed: {type(e).__name__}: {e}"})
+        program.exit_now(SETUP_FAILED)
+    send_msg(chan, {"op": "started"})
+    chan.close()  # from here on the program has no line to anyone but its own output
+    args = request.get("args") or []
+    if msg["lang"] == "bash":
+        program.exec_bash(path, args)
+    program.run_python(path, args, namespace)
