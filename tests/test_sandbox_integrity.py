@@ -216,3 +216,28 @@ def test_the_supervisor_is_lean_and_the_program_preloaded(server):
     assert all(programs), nested
     zygotes = [maps for ids, maps in nested.values() if len(ids) == 2 and ids[-1] == "1"]
     assert zygotes == [False], nested
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_dead_forker_takes_its_worker_along(server):
+    """Kill the worker's program forker: no run could get a program, so its zygote exits with it; the
+    server reaps the old launcher and starts a new worker, runs succeed again, and nothing is left."""
+    forkers = [pid for pid, (ids, _) in _nested(server).items() if len(ids) == 2 and ids[-1] == "2"]
+    assert len(forkers) == 1, _nested(server)
+    launcher = _parent(_parent(forkers[0]))
+    os.kill(forkers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        nested = _nested(server)
+        fresh = [pid for pid, (ids, _) in nested.items() if len(ids) == 2 and ids[-1] == "2"]
+        if launcher not in descendants(server.proc.pid) and fresh:
+            break
+        assert time.monotonic() < deadline, f"the worker was not replaced: {nested}"
+        time.sleep(0.1)  # polling the process table
+    body = run(server, "print(1+1)")
+    assert body["run_result"]["stdout"] == "2\n", body
+    assert server.leftovers() == []
