@@ -173,6 +173,6 @@ class WorkerPool:
         await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
 
 
-# Lazily imported sympy submodules (printing, simplification) pulled in once in the zygote.
+# Lazily imported sympy submodules (printing, simplification) pulled in once in the program forker.
 WARMUP = ("import sympy; sympy.simplify(sympy.sin(sympy.Symbol('x'))**2 + sympy.cos(sympy.Symbol('x'))**2); "
           "str(sympy.Rational(1, 3) + sympy.sqrt(2))",)
