@@ -18,6 +18,9 @@ written in float32 on the CPU, slow for a 7B shape).
     python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-1.5b --steps 5 --lora 32
     python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-7b --random-checkpoint /tmp/q7b \
         --lora 32 --prompts 8
+    python -m bench.bench_trainer --tokenizer <Qwen2.5 tokenizer dir> --shape qwen2.5-7b --random-checkpoint /tmp/q7b \
+        --prompts 8 --ipc-only --set learner.activation_checkpointing=true learner.token_budget=4096 \
+        engine.gpu_memory_utilization=0.14
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--random-checkpoint", default=None, metavar="DIR",
                         help="start from a random bf16 checkpoint of --shape in DIR, written there on the GPU first "
                              "unless DIR holds one")
+    parser.add_argument("--ipc-only", action="store_true",
+                        help="after the run, time the CUDA IPC push alone (through the host, a 7B's 15 GB takes minutes)")
     parser.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
@@ -71,7 +76,7 @@ def main() -> None:
     config = load_run_config(path, sets + args.set)
     import torch
 
-    push = asyncio.run(_run(Trainer(config)))
+    push = asyncio.run(_run(Trainer(config), ("ipc", "ipc") if args.ipc_only else ("ipc", "host", "ipc")))
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = []
@@ -95,9 +100,11 @@ def main() -> None:
           f"step; sleep + push + wake {max(r['sleep_s'] + r['push_s'] + r['wake_s'] for r in later):.2f} s at most")
     if args.lora:
         print(f"adapter push (rank {args.lora}), engine awake: {push['adapter_s']:.3f} s ({push['gb']:.3f} GB)")
-    else:
+    elif "host_s" in push:
         print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s, through the host {push['host_s']:.3f} s: "
               f"{push['host_s'] / push['ipc_s']:.1f}x ({push['gb']:.2f} GB of bf16 weights)")
+    else:
+        print(f"weight push, engine awake: CUDA IPC {push['ipc_s']:.3f} s ({push['gb']:.2f} GB of bf16 weights)")
     mean_step = sum(r["step_s"] - r["checkpoint_s"] for r in later) / len(later)
     print(f"learner peak GPU memory {peak_gib:.1f} GiB; mean step {mean_step:.2f} s less checkpoints, "
           f"train {sum(r['train_s'] for r in later) / len(later):.2f} s (steps 2+)")
@@ -118,7 +125,9 @@ def _random_checkpoint(path: Path, tokenizer: str, shape: str) -> Path:
                                    max_position_embeddings=4096)
 
 
-async def _run(trainer) -> dict[str, float]:
+async def _run(trainer, pushes: tuple[str, ...]) -> dict[str, float]:
+    """Run the trainer, then time the push as the run makes it: the adapter's (LoRA), or the full weights' by
+    each of `pushes` ("ipc": CUDA IPC, "host": safetensors bytes through the host; the last of a kind counts)."""
     from agentrl.weight_sync import push_weights
 
     try:
@@ -131,7 +140,7 @@ async def _run(trainer) -> dict[str, float]:
                 await trainer.learner.push(trainer.engine)
                 times["adapter_s"] = time.perf_counter() - start  # the last of three
             return times | {"gb": gb}
-        for name in ("ipc", "host", "ipc"):  # IPC twice: the first call may pay one-time costs
+        for name in pushes:  # IPC twice: the first call may pay one-time costs
             start = time.perf_counter()
             await push_weights(trainer.learner.policy, trainer.engine, "ipc" if name == "ipc" else "tensors")
             times[f"{name}_s"] = time.perf_counter() - start
