@@ -14,11 +14,14 @@ reports what it could not import, then serves:
 * when a program's process exits, the forker reads its status without reaping it and sends it to that
   process's supervisor, the only one who may learn it: the program is the forker's child, not the
   supervisor's, so the supervisor cannot wait for it. The process is reaped once its supervisor's channel
-  closes (the supervisor has exited, which the kernel holds up until every process of its PID namespace is
-  reaped).
+  closes: the supervisor is exiting, and the kernel holds its exit until every process of its PID
+  namespace is reaped, so no pid of the run is reused while the run's answer is being made.
 
-The program cannot reach the forker: it runs under another uid, holds none of its descriptors, and its
-exit status is all the forker ever takes from it.
+The program cannot reach the forker: the forker is outside the run's PID namespace, under another uid
+(in the single-uid fallback, with capabilities the program lacks), and none of its descriptors are left
+to the program. The filter keeps the program from making further children of the forker
+(clone(CLONE_PARENT)) and from tracing (a tracer would hold a dead program's status from the forker), and
+the forker never blocks on a child: its exit status is all the forker ever takes from it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,28 @@ from sandbox import libc, program
 from sandbox.program import SETUP_FAILED, WORKDIR
 from sandbox.wire import recv_msg, send_msg
 
+# Keyrings are kept per uid and per user namespace, outside any process, so a key added by one run
+# would be there for the next; the kernel log outlives runs too. inotify and fanotify on the shared
+# read-only binds (the venv, /usr) would tell a run which files other runs and host processes open.
+# io_uring submits work the filter never sees (its IORING_OP_SOCKET would bypass the socket rule below).
+# ptrace: a tracer holds a dead tracee's exit from its parent, the forker, which serves every run of the
+# worker. clone3's flags are out of the filter's reach (libc falls back to clone, whose flags are not).
+# Programs get ENOSYS, as on a kernel built without them.
+DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog", "inotify_init", "inotify_init1",
+                   "fanotify_init", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "clone3")
+# clone(CLONE_PARENT) would make the forker the parent of a program's child: a zombie of a run that only the
+# forker could reap, holding the run's supervisor in its exit. EPERM, as for an init process.
+CLONE_RULES = {"clone": (libc.CLONE_PARENT, errno.EPERM)}
+# The socket families a program may create (others: EAFNOSUPPORT). Unix and IP sockets live in the run's
+# own network namespace (abstract Unix names included; IP on loopback only); AF_VSOCK's port space
+# is the VM's, shared with the hypervisor, host agents and every other run. Netlink only as
+# NETLINK_ROUTE (protocol 0): getaddrinfo and if_nameindex ask it about the run's own interfaces (lo);
+# the other netlink protocols (audit, uevents, sock_diag, ...) are kernel surface no program needs.
+ALLOWED_SOCKETS: dict[int, tuple[int, ...] | None] = {
+    socket.AF_UNIX: None, socket.AF_INET: None, socket.AF_INET6: None, socket.AF_NETLINK: (0,)}
 # The namespaces a program's process joins after its fork, in this order (it was forked into the PID one).
 JOINED = (libc.CLONE_NEWNS, libc.CLONE_NEWIPC, libc.CLONE_NEWNET)
+PENDING_RETRY_S = 0.05
 
 
 def preload(modules: list[str], warmup: list[str]) -> list[str]:
@@ -61,11 +84,11 @@ def preload(modules: list[str], warmup: list[str]) -> list[str]:
 
 
 def confine() -> None:
-    """no_new_privs and the programs' seccomp filter (program.DENIED_SYSCALLS, program.ALLOWED_SOCKETS), set
-    here once: every program's process is our child and inherits both, irrevocably. We need none of what
-    the filter denies."""
+    """no_new_privs and the programs' seccomp filter (`DENIED_SYSCALLS`, `ALLOWED_SOCKETS`, `CLONE_RULES`),
+    set here once: every program's process is our child and inherits both, irrevocably. We need none of
+    what the filter denies."""
     libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
-    libc.deny_syscalls(program.DENIED_SYSCALLS, errno.ENOSYS, program.ALLOWED_SOCKETS)
+    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS, ALLOWED_SOCKETS, CLONE_RULES)
 
 
 def main(ctl: socket.socket, config: dict[str, Any]) -> NoReturn:
@@ -96,10 +119,13 @@ class _Forker:
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, ("control", None))
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.pending: dict[int, _Run] = {}  # exited programs not yet waitable by us (see `_status`)
 
     def serve(self) -> NoReturn:
         while True:
-            for key, _ in self.sel.select():
+            for pid, run in list(self.pending.items()):
+                self._status(run, pid)
+            for key, _ in self.sel.select(PENDING_RETRY_S if self.pending else None):
                 kind, target = key.data
                 if kind == "control":
                     self._on_control()
@@ -165,7 +191,16 @@ class _Forker:
         assert pidfd is not None
         self.sel.unregister(pidfd)
         os.close(pidfd)
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        self._status(run, pid)
+
+    def _status(self, run: _Run, pid: int) -> None:
+        """Pass on the exited program's status, or keep it pending: never block on a child (a tracer, were
+        one allowed, would keep its dead tracee from us for as long as it lived)."""
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        if info is None:
+            self.pending[pid] = run
+            return
+        self.pending.pop(pid, None)
         code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         if run.channel.fileno() < 0:  # its supervisor is gone: nobody to tell
             os.waitpid(pid, 0)

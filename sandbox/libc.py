@@ -1,9 +1,10 @@
 """Thin ctypes bindings to the Linux calls the isolation layer needs and Python 3.11 lacks.
 
 Python 3.11 has no `os.unshare`, `os.setns`, `mount` or `pivot_root`; rootfs.py (the zygote's filesystem
-view), zygote.py (the fork server), supervisor.py (a run's PID 1) and program.py (the run's program)
-call them through this module, as well as the seccomp filter, the session keyring, the loopback
-interface and openat2 (the supervisor's fetch of a run's files, which must not follow links out of it).
+view), zygote.py (the fork server), forker.py (the programs' forker), supervisor.py (a run's PID 1) and
+program.py (the run's program) call them through this module, as well as the seccomp filter, the session
+keyring, the loopback interface and openat2 (the supervisor's fetch of a run's files, which must not
+follow links out of it).
 Every wrapper raises OSError with the errno and the call's arguments, so a failure names what failed.
 """
 
@@ -18,6 +19,7 @@ import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
+CLONE_PARENT = 0x00008000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -58,10 +60,12 @@ SECURE_NOROOT_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 _SYSCALLS: dict[str, dict[str, int | None]] = {
     "x86_64": {"pivot_root": 155, "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
                "openat2": 437, "socket": 41, "socketpair": 53, "inotify_init": 253, "inotify_init1": 294,
-               "fanotify_init": 300, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
+               "fanotify_init": 300, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+               "ptrace": 101, "clone": 56, "clone3": 435},
     "aarch64": {"pivot_root": 41, "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,
                 "openat2": 437, "socket": 198, "socketpair": 199, "inotify_init": None, "inotify_init1": 26,
-                "fanotify_init": 262, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
+                "fanotify_init": 262, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                "ptrace": 117, "clone": 220, "clone3": 435},
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: same numbers with this bit set
@@ -159,29 +163,53 @@ def join_new_session_keyring() -> None:
 
 
 def deny_syscalls(names: tuple[str, ...], errno: int,
-                   sockets: dict[int, tuple[int, ...] | None] | None = None) -> None:
+                   sockets: dict[int, tuple[int, ...] | None] | None = None,
+                   flags: dict[str, tuple[int, int]] | None = None) -> None:
     """Install a seccomp filter under which the named system calls fail with `errno` (every other call
     is allowed), as does every call of another ABI than the native one (x86's i386 and x32, arm32), whose
     numbers the filter would not recognise. With `sockets` ({family: allowed protocols, or None for
     any}), socket() and socketpair() of any other family or protocol fail with EAFNOSUPPORT, as on a
-    kernel built without that family. Names the architecture lacks are skipped. Inherited by every child
-    and across execve; irrevocable. Needs PR_SET_NO_NEW_PRIVS first."""
+    kernel built without that family. With `flags` ({name: (mask, errno)}), a call of `name` whose first
+    argument has any bit of `mask` set fails with that errno (e.g. clone with CLONE_PARENT). Names the
+    architecture lacks are skipped. Inherited by every child and across execve; irrevocable. Needs
+    PR_SET_NO_NEW_PRIVS first (or CAP_SYS_ADMIN)."""
     machine = platform.machine()
     if machine not in _AUDIT_ARCH:
         raise OSError(0, f"seccomp filter: unsupported architecture {machine}")
-    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_RET|K
+    count, filters = _assemble(_filter(machine, names, errno, sockets, flags or {}))
+    buffer = ctypes.create_string_buffer(filters)
+
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = _Prog(count, ctypes.addressof(buffer))
+    zero = ctypes.c_ulong(0)
+    result = _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                         ctypes.c_void_p(ctypes.addressof(prog)), zero, zero)
+    _check(result, "prctl(PR_SET_SECCOMP)")
+
+
+_Insn = tuple[int, "str | int", "str | int", int]  # (code, jump-if-true, jump-if-false, k); a jump may be a label
+
+
+def _filter(machine: str, names: tuple[str, ...], errno: int, sockets: dict[int, tuple[int, ...] | None] | None,
+            flags: dict[str, tuple[int, int]]) -> list[_Insn | str]:
+    """deny_syscalls' BPF program, with labels. Jumps go forward only: the checks first, then the sections
+    they jump to, `allow` last."""
+    ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET
     allow, deny = 0x7FFF0000, 0x00050000 | errno  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
     no_family = 0x00050000 | 97  # EAFNOSUPPORT
     nr, arch, arg0, arg2 = 0, 4, 16, 32  # offsets in struct seccomp_data (args: low 32 bits, little-endian)
-    numbers = [n for name in names if (n := _SYSCALLS.get(machine, {}).get(name)) is not None]
-    # Instructions as (code, jump-if-true, jump-if-false, k); a jump is a label, resolved below.
-    program: list[tuple[int, str | int, str | int, int] | str] = [
-        (ld_w_abs, 0, 0, arch), (jeq_k, 0, "deny", _AUDIT_ARCH[machine]), (ld_w_abs, 0, 0, nr)]
+    known = _SYSCALLS.get(machine, {})
+    numbers = [n for name in names if (n := known.get(name)) is not None]
+    masked = {n: rule for name, rule in flags.items() if (n := known.get(name)) is not None}
+    program: list[_Insn | str] = [(ld_w_abs, 0, 0, arch), (jeq_k, 0, "deny", _AUDIT_ARCH[machine]), (ld_w_abs, 0, 0, nr)]
     if machine == "x86_64":
         program.append((jge_k, "deny", 0, X32_SYSCALL_BIT))
     program += [(jeq_k, "deny", 0, n) for n in numbers]
     if sockets is not None:
         program += [(jeq_k, "socket", 0, _syscall_number(name)) for name in ("socket", "socketpair")]
+    program += [(jeq_k, f"flags{n}", 0, n) for n in masked]
     program += [(ret_k, 0, 0, allow), "deny", (ret_k, 0, 0, deny)]
     if sockets is not None:
         program += ["socket", (ld_w_abs, 0, 0, arg0)]
@@ -193,7 +221,13 @@ def deny_syscalls(names: tuple[str, ...], errno: int,
                 program += [f"family{family}", (ld_w_abs, 0, 0, arg2)]
                 program += [(jeq_k, "allow", 0, protocol) for protocol in protocols]
                 program.append((ret_k, 0, 0, no_family))
-        program += ["allow", (ret_k, 0, 0, allow)]
+    for n, (mask, err) in masked.items():
+        program += [f"flags{n}", (ld_w_abs, 0, 0, arg0), (jset_k, 0, "allow", mask), (ret_k, 0, 0, 0x00050000 | err)]
+    return [*program, "allow", (ret_k, 0, 0, allow)]
+
+
+def _assemble(program: list[_Insn | str]) -> tuple[int, bytes]:
+    """Labels resolved to relative jumps; returns the instruction count and the packed sock_filter array."""
     labels: dict[str, int] = {}
     for insn in program:
         if isinstance(insn, str):
@@ -203,17 +237,8 @@ def deny_syscalls(names: tuple[str, ...], errno: int,
     def jump(target: str | int, at: int) -> int:
         return target if isinstance(target, int) else labels[target] - at - 1  # relative to the next one
 
-    filters = b"".join(struct.pack("HBBI", op, jump(jt, i), jump(jf, i), k) for i, (op, jt, jf, k) in enumerate(code))
-    buffer = ctypes.create_string_buffer(filters)
-
-    class _Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    prog = _Prog(len(code), ctypes.addressof(buffer))
-    zero = ctypes.c_ulong(0)
-    result = _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
-                         ctypes.c_void_p(ctypes.addressof(prog)), zero, zero)
-    _check(result, "prctl(PR_SET_SECCOMP)")
+    return len(code), b"".join(struct.pack("HBBI", op, jump(jt, i), jump(jf, i), k)
+                               for i, (op, jt, jf, k) in enumerate(code))
 
 
 def loopback_up() -> None:
@@ -249,7 +274,7 @@ def collapse_to_huge_pages() -> int:
     """Back this process's anonymous memory with 2 MB pages where the kernel can (MADV_COLLAPSE, Linux
     6.1+; elsewhere nothing happens). Returns the bytes collapsed.
 
-    For the zygote: fork copies, and exit tears down, one page-table entry per 4 KB page of the parent's
+    For the forker: fork copies, and exit tears down, one page-table entry per 4 KB page of the parent's
     memory; collapsed, one entry covers 2 MB, so forking and reaping a child cost a fraction. A child's
     write to a shared huge page splits it and copies only the 4 KB it touched, as before."""
     done = 0

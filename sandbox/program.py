@@ -1,10 +1,9 @@
 """The run's program process, forked by the program forker (forker.py) into the run's namespaces.
 
 It is forked ahead of the run (a session's, when the session starts), already under no_new_privs and the
-seccomp filter it inherits from the forker (forker.confine: the kernel keyring and log, state that
-outlives a run and is kept per uid, `DENIED_SYSCALLS`; inotify/fanotify and io_uring; sockets of families
-other than Unix, IP and route netlink, `ALLOWED_SOCKETS`), and prepares what does not depend on the request
-(`prepare`): it joins the run's memory cgroup, closes every descriptor it inherited, drops to the run's
+seccomp filter it inherits from the forker (forker.confine says what it denies), and prepares what does not
+depend on the request (`prepare`): it leaves the process group and session it was born in, joins the run's
+memory cgroup, closes every descriptor it inherited, drops to the run's
 unprivileged uid (or, in the single-uid fallback, drops every capability) with its static rlimits, reseeds
 the random generators and builds a fresh `__main__`. Then it waits. When its supervisor (supervisor.py)
 hands it the run (`start`), it puts the run's stdout/stderr at fds 1/2, reads the request, writes the input
@@ -32,7 +31,6 @@ import math
 import os
 import resource
 import signal
-import socket
 import sys
 import threading
 import time
@@ -46,20 +44,6 @@ WORKDIR = "/tmp/work"
 SESSION_FD = 3  # a session's socket, at a fixed number once stdio is in place
 SETUP_FAILED = 125
 MB = 1024 * 1024
-# Keyrings are kept per uid and per user namespace, outside any process, so a key added by one run
-# would be there for the next; the kernel log outlives runs too. inotify and fanotify on the shared
-# read-only binds (the venv, /usr) would tell a run which files other runs and host processes open.
-# io_uring submits work the filter never sees (its IORING_OP_SOCKET would bypass the socket rule below).
-# Programs get ENOSYS, as on a kernel built without them.
-DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog", "inotify_init", "inotify_init1",
-                   "fanotify_init", "io_uring_setup", "io_uring_enter", "io_uring_register")
-# The socket families a program may create (others: EAFNOSUPPORT). Unix and IP sockets live in the run's
-# own network namespace (abstract Unix names included; IP on loopback only); AF_VSOCK's port space
-# is the VM's, shared with the hypervisor, host agents and every other run. Netlink only as
-# NETLINK_ROUTE (protocol 0): getaddrinfo and if_nameindex ask it about the run's own interfaces (lo);
-# the other netlink protocols (audit, uevents, sock_diag, ...) are kernel surface no program needs.
-ALLOWED_SOCKETS: dict[int, tuple[int, ...] | None] = {
-    socket.AF_UNIX: None, socket.AF_INET: None, socket.AF_INET6: None, socket.AF_NETLINK: (0,)}
 _mapped = 0  # bytes the interpreter had mapped when prepared; RLIMIT_AS (no cgroup) adds the budget on top
 # Bound now: a program may rebind os._exit / os.kill (SandboxFusion's anti-hack header sets them to None),
 # and this process must still end with the program's status.
@@ -74,6 +58,9 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
     """Everything that does not depend on the request or on the run's mounts (which the supervisor makes
     meanwhile); returns the fresh `__main__` namespace. `keep`: the one descriptor left open (the line to
     the supervisor); the cgroup's is used, then closed."""
+    # A process group and session of its own: groups span PID namespaces, and kill(0) would otherwise reach
+    # every process of the server's group that its uid may signal (the next run's prepared program).
+    os.setsid()
     cgroup_fd = static.get("cgroup_fd")
     if cgroup_fd is not None:  # the memory cgroup of the run: every process of the program is counted there
         os.write(cgroup_fd, b"0")
@@ -275,8 +262,8 @@ _numpy_state: int | None = None  # address of numpy's global MT19937 state, when
 
 
 def locate_numpy_state() -> None:
-    """Called by the zygote after its imports. numpy.random.seed() in each run would touch, hence copy,
-    many pages of the zygote's memory; writing fresh entropy straight into the generator's state
+    """Called by the forker after its imports. numpy.random.seed() in each run would touch, hence copy,
+    many pages of the forker's memory; writing fresh entropy straight into the generator's state
     (`key[624]`, then `pos`) touches one. Used only if a test write reads back exactly."""
     global _numpy_state
     numpy = sys.modules.get("numpy")
@@ -295,7 +282,7 @@ def locate_numpy_state() -> None:
 
 
 def _reseed_numpy() -> None:
-    """Forked children would all draw the zygote's numpy sequence: give each fresh entropy."""
+    """Forked children would all draw the forker's numpy sequence: give each fresh entropy."""
     if _numpy_state is not None:
         ctypes.memmove(_numpy_state, os.urandom(2496), 2496)
         ctypes.c_int.from_address(_numpy_state + 2496).value = 624  # regenerate on the next draw

@@ -42,11 +42,14 @@ from sandbox import libc, program
 from sandbox.program import SETUP_FAILED, WORKDIR
 from sandbox.wire import read_all_fd, recv_msg, send_msg, write_all_fd
 
+KILLED_WAIT_S = 10.0  # for a SIGKILLed program to be gone; only a process stuck in the kernel takes long
+
 
 @dataclass
 class _Program:
     channel: socket.socket  # ours; the program closes its end once it starts
     pid: int = 0  # in our PID namespace, as the program's process reported it while it was still ours
+    pidfd: int = -1  # its exit, seen at once (the status comes from the forker, its parent)
 
 
 def main(static: dict[str, Any], channel: int, inherited: list[int], forker: int) -> NoReturn:
@@ -120,6 +123,7 @@ def _release(prog: _Program, uid: int) -> None:
     if ready is None or ready.get("op") != "ready":
         raise RuntimeError("the program's process died while preparing")
     prog.pid = int(ready["pid"])
+    prog.pidfd = os.pidfd_open(prog.pid)  # it is alive and waiting: the pid is its own
 
 
 def _exit_code(fork: socket.socket) -> int:
@@ -135,7 +139,7 @@ def _run(static: dict[str, Any], fork: socket.socket, prog: _Program, msg: dict[
     limits = msg["limits"]
     request: dict[str, Any] = {}
     try:
-        if select.select([fork], [], [], 0)[0]:  # it exited while it waited (killed: the run before us OOMed)
+        if select.select([prog.pidfd], [], [], 0)[0]:  # it died while it waited (the run before us OOMed)
             _exit_code(fork)
             prog = _fork_program(fork, static["uid"])
             _release(prog, static["uid"])
@@ -150,7 +154,7 @@ def _run(static: dict[str, Any], fork: socket.socket, prog: _Program, msg: dict[
         report = {"status": "error", "error": f"sandbox setup failed: {type(e).__name__}: {e}"}
     for fd in fds[1:]:
         os.close(fd)  # only the program's processes hold its output now: EOF once they are dead
-    _kill_all()
+    _kill_all(prog)
     _become_run_user(static)  # fetched files are read with the program's own permissions
     if report["status"] in ("finished", "timeout"):
         report["files"], report["fetch_skipped"], report["fetch_refused"] = _fetch(
@@ -166,7 +170,7 @@ def _watch(prog: _Program, fork: socket.socket, timeout: float, lang: str) -> di
     """Until the program exits or its deadline: the program's one message, then its exit status."""
     sel = selectors.DefaultSelector()
     sel.register(prog.channel, selectors.EVENT_READ)
-    sel.register(fork, selectors.EVENT_READ)
+    sel.register(prog.pidfd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout  # the setup (writing the files) gets the run's time too
     started: float | None = None
     while True:
@@ -186,7 +190,7 @@ def _watch(prog: _Program, fork: socket.socket, timeout: float, lang: str) -> di
             elif reply.get("op") in ("refused", "failed") and started is None:
                 return {"status": "refused" if reply["op"] == "refused" else "error",
                         "error": str(reply.get("error"))}
-        if any(key.fileobj is fork for key, _ in events):
+        if any(key.fd == prog.pidfd for key, _ in events):
             code = _exit_code(fork)
             if started is None:
                 return {"status": "error", "error": "the program's process died while setting up the run"}
@@ -195,12 +199,16 @@ def _watch(prog: _Program, fork: socket.socket, timeout: float, lang: str) -> di
             return {"status": "finished", "code": code, "time": now - started}
 
 
-def _kill_all() -> None:
-    """As PID 1: kill every other process of the namespace and reap them, so none outlives the run."""
+def _kill_all(prog: _Program | None = None) -> None:
+    """As PID 1: kill every other process of the namespace and reap them, so none outlives the run. The
+    program's process is the forker's child, not ours: we wait until it has died (its children are then
+    ours, and reaped here too)."""
     try:
         os.kill(-1, signal.SIGKILL)  # a fork racing with this fails: its parent has SIGKILL pending
     except ProcessLookupError:
         pass
+    if prog is not None and prog.pidfd >= 0:
+        select.select([prog.pidfd], [], [], KILLED_WAIT_S)
     while True:
         try:
             os.waitpid(-1, 0)

@@ -41,7 +41,7 @@ log = logging.getLogger("sandbox.worker")
 ZYGOTE_ENV = run_environment(sys.prefix)
 BOOT = "from sandbox.zygote import main; main()"
 STARTUP_TIMEOUT_S = 180.0
-ZYGOTE_OVERHEAD_MB = 384  # the zygote's own resident memory, counted in its cgroup next to the run's
+ZYGOTE_OVERHEAD_MB = 384  # the zygote's and the forker's own resident memory, counted in their cgroup next to the run's
 _incarnations = itertools.count(1)
 CAP_SYS_RESOURCE = 24
 
@@ -56,9 +56,9 @@ def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: b
         "cpu_s": timeout_s + 1,
         "memory_mb": memory_mb,
         "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
-        # The next run's prepared process shares the uid (+1); in the single-uid fallback the zygote and the
-        # supervisors do too.
-        "nproc": settings.max_processes + (5 if map_self else 1),
+        # The next run's prepared process shares the uid (+1); in the single-uid fallback the launcher, the
+        # zygote, the forker and the two supervisors do too.
+        "nproc": settings.max_processes + (6 if map_self else 1),
         "nofile": settings.max_open_files,
         "fsize_mb": settings.max_file_size_mb,
         "fetch_bytes": settings.max_fetch_bytes,

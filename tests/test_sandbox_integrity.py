@@ -241,3 +241,44 @@ def test_a_dead_forker_takes_its_worker_along(server):
     body = run(server, "print(1+1)")
     assert body["run_result"]["stdout"] == "2\n", body
     assert server.leftovers() == []
+
+
+CHILDREN_OF_THE_FORKER = """
+import ctypes, errno, os, platform, threading
+libc = ctypes.CDLL(None, use_errno=True)
+clone, clone3, ptrace = {'x86_64': (56, 435, 101), 'aarch64': (220, 435, 117)}[platform.machine()]
+pid = libc.syscall(clone, 0x8000 | 17, 0, 0, 0, 0)  # CLONE_PARENT | SIGCHLD: a child of our parent
+if pid == 0:
+    os._exit(0)
+print('clone', pid, errno.errorcode.get(ctypes.get_errno()))
+print('clone3', libc.syscall(clone3, 0, 0), errno.errorcode.get(ctypes.get_errno()))
+print('ptrace', libc.ptrace(0, 0, 0, 0), errno.errorcode.get(ctypes.get_errno()))  # PTRACE_TRACEME
+t = threading.Thread(target=print, args=('thread',))
+t.start()
+t.join()
+child = os.fork()
+if child == 0:
+    os._exit(3)
+print('fork', os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
+def test_a_program_makes_no_child_of_the_forker_and_traces_nothing(server):
+    """The program's parent is the worker's forker: clone(CLONE_PARENT) would leave it a zombie only the
+    forker could reap, holding the run's supervisor in its exit and the worker with it; a tracer would hold
+    a dead program's status from the forker. Both are refused (clone3 too: its flags are out of the filter's
+    reach); threads and fork work; the next run is served."""
+    body = run(server, CHILDREN_OF_THE_FORKER)
+    assert body["run_result"]["stdout"] == ("clone -1 EPERM\nclone3 -1 ENOSYS\nptrace -1 ENOSYS\nthread\nfork 3\n"), body
+    assert run(server, "print(1+1)")["run_result"]["stdout"] == "2\n"
+    assert server.leftovers() == []
+
+
+def test_a_program_signals_its_own_process_group_only(server):
+    """Process groups span PID namespaces, and the next run's prepared program has the same uid: kill(0)
+    must stop the program itself, not that one (whose run would then stall until its time limit)."""
+    stopped = run(server, "import os, signal\nos.kill(0, signal.SIGSTOP)\nprint('not reached')", run_timeout=1)
+    assert stopped["run_result"]["status"] == "TimeLimitExceeded", stopped
+    body = run(server, "print(1+1)", run_timeout=5)
+    assert body["status"] == "Success" and body["run_result"]["stdout"] == "2\n", body
+    assert server.leftovers() == []
