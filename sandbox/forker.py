@@ -45,12 +45,17 @@ from sandbox.wire import recv_msg, send_msg
 # io_uring submits work the filter never sees (its IORING_OP_SOCKET would bypass the socket rule below).
 # ptrace: a tracer holds a dead tracee's exit from its parent, the forker, which serves every run of the
 # worker. clone3's flags are out of the filter's reach (libc falls back to clone, whose flags are not).
+# userfaultfd: a program needs none, and it widens the races kernel exploits rely on.
 # Programs get ENOSYS, as on a kernel built without them.
 DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "syslog", "inotify_init", "inotify_init1",
-                   "fanotify_init", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "clone3")
+                   "fanotify_init", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "clone3",
+                   "userfaultfd")
+F_NOTIFY = 1026  # fcntl.F_NOTIFY where Python exposes it
 # clone(CLONE_PARENT) would make the forker the parent of a program's child: a zombie of a run that only the
-# forker could reap, holding the run's supervisor in its exit. EPERM, as for an init process.
-CLONE_RULES = {"clone": (libc.CLONE_PARENT, errno.EPERM)}
+# forker could reap, holding the run's supervisor in its exit (EPERM, as for an init process). fcntl's
+# F_NOTIFY (dnotify) watches a directory as inotify does (EINVAL, as on a kernel without it).
+ARGUMENT_RULES = {"clone": (0, "any_bits", libc.CLONE_PARENT, errno.EPERM),
+                  "fcntl": (1, "equals", F_NOTIFY, errno.EINVAL)}
 # The socket families a program may create (others: EAFNOSUPPORT). Unix and IP sockets live in the run's
 # own network namespace (abstract Unix names included; IP on loopback only); AF_VSOCK's port space
 # is the VM's, shared with the hypervisor, host agents and every other run. Netlink only as
@@ -84,11 +89,11 @@ def preload(modules: list[str], warmup: list[str]) -> list[str]:
 
 
 def confine() -> None:
-    """no_new_privs and the programs' seccomp filter (`DENIED_SYSCALLS`, `ALLOWED_SOCKETS`, `CLONE_RULES`),
+    """no_new_privs and the programs' seccomp filter (`DENIED_SYSCALLS`, `ALLOWED_SOCKETS`, `ARGUMENT_RULES`),
     set here once: every program's process is our child and inherits both, irrevocably. We need none of
     what the filter denies."""
     libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
-    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS, ALLOWED_SOCKETS, CLONE_RULES)
+    libc.deny_syscalls(DENIED_SYSCALLS, errno.ENOSYS, ALLOWED_SOCKETS, ARGUMENT_RULES)
 
 
 def main(ctl: socket.socket, config: dict[str, Any]) -> NoReturn:

@@ -61,11 +61,11 @@ _SYSCALLS: dict[str, dict[str, int | None]] = {
     "x86_64": {"pivot_root": 155, "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
                "openat2": 437, "socket": 41, "socketpair": 53, "inotify_init": 253, "inotify_init1": 294,
                "fanotify_init": 300, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-               "ptrace": 101, "clone": 56, "clone3": 435},
+               "ptrace": 101, "clone": 56, "clone3": 435, "fcntl": 72, "userfaultfd": 323},
     "aarch64": {"pivot_root": 41, "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,
                 "openat2": 437, "socket": 198, "socketpair": 199, "inotify_init": None, "inotify_init1": 26,
                 "fanotify_init": 262, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-                "ptrace": 117, "clone": 220, "clone3": 435},
+                "ptrace": 117, "clone": 220, "clone3": 435, "fcntl": 25, "userfaultfd": 282},
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: same numbers with this bit set
@@ -164,19 +164,20 @@ def join_new_session_keyring() -> None:
 
 def deny_syscalls(names: tuple[str, ...], errno: int,
                    sockets: dict[int, tuple[int, ...] | None] | None = None,
-                   flags: dict[str, tuple[int, int]] | None = None) -> None:
+                   rules: dict[str, tuple[int, str, int, int]] | None = None) -> None:
     """Install a seccomp filter under which the named system calls fail with `errno` (every other call
     is allowed), as does every call of another ABI than the native one (x86's i386 and x32, arm32), whose
     numbers the filter would not recognise. With `sockets` ({family: allowed protocols, or None for
     any}), socket() and socketpair() of any other family or protocol fail with EAFNOSUPPORT, as on a
-    kernel built without that family. With `flags` ({name: (mask, errno)}), a call of `name` whose first
-    argument has any bit of `mask` set fails with that errno (e.g. clone with CLONE_PARENT). Names the
+    kernel built without that family. With `rules` ({name: (argument, test, value, errno)}), a call of
+    `name` whose argument (its index; its low 32 bits) has any bit of `value` set (test "any_bits") or
+    equals it ("equals") fails with that errno: clone with CLONE_PARENT, fcntl's F_NOTIFY. Names the
     architecture lacks are skipped. Inherited by every child and across execve; irrevocable. Needs
     PR_SET_NO_NEW_PRIVS first (or CAP_SYS_ADMIN)."""
     machine = platform.machine()
     if machine not in _AUDIT_ARCH:
         raise OSError(0, f"seccomp filter: unsupported architecture {machine}")
-    count, filters = _assemble(_filter(machine, names, errno, sockets, flags or {}))
+    count, filters = _assemble(_filter(machine, names, errno, sockets, rules or {}))
     buffer = ctypes.create_string_buffer(filters)
 
     class _Prog(ctypes.Structure):
@@ -193,7 +194,7 @@ _Insn = tuple[int, "str | int", "str | int", int]  # (code, jump-if-true, jump-i
 
 
 def _filter(machine: str, names: tuple[str, ...], errno: int, sockets: dict[int, tuple[int, ...] | None] | None,
-            flags: dict[str, tuple[int, int]]) -> list[_Insn | str]:
+            rules: dict[str, tuple[int, str, int, int]]) -> list[_Insn | str]:
     """deny_syscalls' BPF program, with labels. Jumps go forward only: the checks first, then the sections
     they jump to, `allow` last."""
     ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET
@@ -202,14 +203,14 @@ def _filter(machine: str, names: tuple[str, ...], errno: int, sockets: dict[int,
     nr, arch, arg0, arg2 = 0, 4, 16, 32  # offsets in struct seccomp_data (args: low 32 bits, little-endian)
     known = _SYSCALLS.get(machine, {})
     numbers = [n for name in names if (n := known.get(name)) is not None]
-    masked = {n: rule for name, rule in flags.items() if (n := known.get(name)) is not None}
+    ruled = {n: rule for name, rule in rules.items() if (n := known.get(name)) is not None}
     program: list[_Insn | str] = [(ld_w_abs, 0, 0, arch), (jeq_k, 0, "deny", _AUDIT_ARCH[machine]), (ld_w_abs, 0, 0, nr)]
     if machine == "x86_64":
         program.append((jge_k, "deny", 0, X32_SYSCALL_BIT))
     program += [(jeq_k, "deny", 0, n) for n in numbers]
     if sockets is not None:
         program += [(jeq_k, "socket", 0, _syscall_number(name)) for name in ("socket", "socketpair")]
-    program += [(jeq_k, f"flags{n}", 0, n) for n in masked]
+    program += [(jeq_k, f"rule{n}", 0, n) for n in ruled]
     program += [(ret_k, 0, 0, allow), "deny", (ret_k, 0, 0, deny)]
     if sockets is not None:
         program += ["socket", (ld_w_abs, 0, 0, arg0)]
@@ -221,8 +222,11 @@ def _filter(machine: str, names: tuple[str, ...], errno: int, sockets: dict[int,
                 program += [f"family{family}", (ld_w_abs, 0, 0, arg2)]
                 program += [(jeq_k, "allow", 0, protocol) for protocol in protocols]
                 program.append((ret_k, 0, 0, no_family))
-    for n, (mask, err) in masked.items():
-        program += [f"flags{n}", (ld_w_abs, 0, 0, arg0), (jset_k, 0, "allow", mask), (ret_k, 0, 0, 0x00050000 | err)]
+    for n, (argument, test, value, err) in ruled.items():
+        if test not in ("any_bits", "equals"):
+            raise ValueError(f"seccomp rule for syscall {n}: test {test!r}, expected 'any_bits' or 'equals'")
+        program += [f"rule{n}", (ld_w_abs, 0, 0, arg0 + 8 * argument),
+                    (jset_k if test == "any_bits" else jeq_k, 0, "allow", value), (ret_k, 0, 0, 0x00050000 | err)]
     return [*program, "allow", (ret_k, 0, 0, allow)]
 
 

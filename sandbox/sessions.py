@@ -264,8 +264,8 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any
     if not isinstance(reply, dict) or not isinstance(reply.get("code"), int):
         return None
     check_files_and_time(reply)
-    if not isinstance(reply.get("error") or "", str) or not isinstance(reply.get("refused") or "", str):
-        reply["error"], reply["refused"] = "the session's reply was malformed", None
+    if any(not isinstance(reply.get(key) or "", str) for key in ("error", "refused", "timed_out")):
+        reply["error"], reply["refused"], reply["timed_out"] = "the session's reply was malformed", None, None
     return reply
 
 

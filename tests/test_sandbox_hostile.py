@@ -351,6 +351,25 @@ print(subprocess.run(['true']).returncode, sympy.Integer(2) ** 10)
     assert out(body) == "done\n"
 
 
+def test_no_dnotify_and_no_userfaultfd(server, contained):
+    """dnotify (fcntl's F_NOTIFY) would watch the shared read-only directories as inotify would; userfaultfd
+    widens the races kernel exploits need. Both are refused; fcntl's other commands work."""
+    code = """
+import ctypes, errno, fcntl, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open('/usr', os.O_RDONLY)
+try:
+    fcntl.fcntl(fd, 1026, 0x80000001)  # F_NOTIFY, DN_ACCESS | DN_MULTISHOT
+    print('dnotify allowed')
+except OSError as e:
+    print('dnotify', errno.errorcode[e.errno])
+print('cloexec', fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+print('userfaultfd', libc.syscall({'x86_64': 323, 'aarch64': 282}[platform.machine()], 0),
+      errno.errorcode.get(ctypes.get_errno()))
+"""
+    assert out(run(server, code)) == "dnotify EINVAL\ncloexec 1\nuserfaultfd -1 ENOSYS\n"
+
+
 def test_a_program_cannot_lower_its_oom_priority(server, contained):
     code = """
 for value in ('-1000', '0', '500'):

@@ -379,3 +379,14 @@ def test_running_out_of_descriptors_leaks_nothing_and_frees_the_worker(monkeypat
     outcome, before, after = asyncio.run(attempt())
     assert outcome.status == "Error" and "Too many open files" in outcome.message
     assert len(released) == 1 and after == before
+
+
+def test_a_session_reply_its_code_forged_is_its_error_not_the_servers(server):
+    """The session's socket is its code's too: a reply frame the code writes itself, with a field of the
+    wrong type, answers as the session's malformed reply (200, an error), never as a 500."""
+    sid = call(server, "POST", "/sessions", json={}).json()["session_id"]
+    forged = ("import os\nfrom sandbox.wire import encode_frame\n"
+              "os.write(3, encode_frame({'code': 0, 'timed_out': {'x': 1}, 'files': {}, 'time': 0.1}))")
+    body = session_run(server, sid, forged)
+    assert (body["status"], body["message"]) == ("SandboxError", "the session's reply was malformed"), body
+    call(server, "DELETE", f"/sessions/{sid}")
