@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastapi import Request  # noqa: E402 - module level: FastAPI resolves the annotation by name
 
-from sandbox.testing import ServerProcess, descendants, free_port  # noqa: E402
+from sandbox.testing import ServerProcess, descendants, free_port, machine_busy, nested_pids  # noqa: E402
 
 TRIVIAL = "print(1+1)"
 NUMERIC = ("import numpy as np, sympy as sp\nx = sp.Symbol('x')\n"
@@ -181,24 +181,14 @@ def _ticks(pid: int) -> tuple[int, int]:
     return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
 
 
-def _machine_busy() -> int:
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    return sum(values) - values[3] - values[4]  # all but idle and iowait
-
-
 def _roles(server_pid: int) -> dict[str, list[int]]:
     """The long-lived processes by role: zygotes (a launcher's child, PID 1 of the worker's namespace) and
     forkers (the zygote's first child, PID 2 there)."""
     roles: dict[str, list[int]] = {"zygote": [], "forker": []}
     for pid in descendants(server_pid):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                nspid = dict(line.split(":\t", 1) for line in f.read().splitlines())["NSpid"].split()
-        except OSError:
-            continue
-        if len(nspid) == 2:
-            roles["zygote" if nspid[1] == "1" else "forker"].append(pid)
+        nspid = nested_pids(pid)
+        if nspid is not None and len(nspid) == 2:
+            roles["zygote" if nspid[1] == 1 else "forker"].append(pid)
     return roles
 
 
@@ -207,9 +197,9 @@ def cpu_split(server: ServerProcess, n: int = 1500) -> list[tuple[str, str]]:
     asyncio.run(load(server.port, 8, 100))  # warm up
     roles = _roles(server.proc.pid)
     watched = [server.proc.pid, *roles["zygote"], *roles["forker"]]
-    before, busy, me = {pid: _ticks(pid) for pid in watched}, _machine_busy(), os.times()
+    before, busy, me = {pid: _ticks(pid) for pid in watched}, machine_busy(), os.times()
     asyncio.run(load(server.port, 8, n))
-    after, busy, done = {pid: _ticks(pid) for pid in watched}, _machine_busy() - busy, os.times()
+    after, busy, done = {pid: _ticks(pid) for pid in watched}, machine_busy() - busy, os.times()
     per = 1000 / os.sysconf("SC_CLK_TCK") / n
 
     def total(pids: list[int], which: int) -> float:
@@ -219,8 +209,8 @@ def cpu_split(server: ServerProcess, n: int = 1500) -> list[tuple[str, str]]:
     rows = [("HTTP server (FastAPI, the pool)", total([server.proc.pid], 0)), ("load generator", client),
             ("zygotes", total(roles["zygote"], 0)), ("supervisors (the zygotes' children)", total(roles["zygote"], 1)),
             ("forkers", total(roles["forker"], 0)), ("programs (the forkers' children)", total(roles["forker"], 1))]
-    rows.append(("the rest (kernel threads: namespace teardown, ...)", busy * per - sum(v for _, v in rows)))
-    rows.append(("machine, busy", busy * per))
+    rows.append(("the rest (kernel threads: namespace teardown, ...)", busy * 1000 / n - sum(v for _, v in rows)))
+    rows.append(("machine, busy", busy * 1000 / n))
     return [(name, f"{value:.2f} ms") for name, value in rows]
 
 

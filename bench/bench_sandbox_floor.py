@@ -36,6 +36,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sandbox import libc  # noqa: E402
+from sandbox.testing import machine_busy  # noqa: E402
 
 
 def _cpu() -> float:
@@ -43,19 +44,11 @@ def _cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _machine_busy() -> float:
-    """Seconds of CPU the whole machine spent busy (/proc/stat): includes the kernel's own workers, which
-    tear a network namespace down after its last process exits, charged to no process."""
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(child: Callable[[], None], iterations: int, pid_namespace: bool = False) -> tuple[float, float, float]:
     """Fork `iterations` children that run `child` and exit, each into a new PID namespace of its own
     (as its PID 1) with `pid_namespace`; (wall ms, CPU ms, machine's busy ms) per fork, exit and reap."""
     own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    wall, cpu, busy = time.perf_counter(), _cpu(), _machine_busy()
+    wall, cpu, busy = time.perf_counter(), _cpu(), machine_busy()
     for _ in range(iterations):
         if pid_namespace:
             libc.unshare(libc.CLONE_NEWPID)  # only the next child goes there
@@ -73,7 +66,7 @@ def measure(child: Callable[[], None], iterations: int, pid_namespace: bool = Fa
     os.close(own)
     time.sleep(0.5)  # let the kernel's deferred teardown of the last namespaces finish inside the window
     return ((time.perf_counter() - wall - 0.5) * 1e3 / iterations, (_cpu() - cpu) * 1e3 / iterations,
-            (_machine_busy() - busy) * 1e3 / iterations)
+            (machine_busy() - busy) * 1e3 / iterations)
 
 
 def _nothing() -> None:

@@ -1,9 +1,10 @@
 """Helpers to run a real sandbox server in a subprocess and to look for processes it left behind.
 
-Used by tests/test_sandbox*.py and bench/bench_sandbox.py: `ServerProcess` starts
+Used by tests/test_sandbox*.py and bench/bench_sandbox*.py: `ServerProcess` starts
 `python -m sandbox serve` on a free loopback port and waits for /health by polling; `leftovers` lists
 processes running under the sandbox's uids (runs and sessions) and the service's process count, so a test
-can wait until every run's processes are gone; `sandbox_uid_processes` lists them at once.
+can wait until every run's processes are gone; `sandbox_uid_processes` lists them at once; `nested_pids`
+names a process's role by its pids in the nested PID namespaces; `machine_busy` is the whole machine's CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ def descendants(pid: int) -> set[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
+
+
+def nested_pids(pid: int) -> list[int] | None:
+    """A process's pid in each PID namespace it is in, outermost first (NSpid), or None once it is gone: a
+    worker's zygote is [pid, 1] and its forker [pid, 2], a run's supervisor [pid, n, 1] and program [pid, n, 2]."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next([int(p) for p in line.split()[1:]] for line in f if line.startswith("NSpid:"))
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return None
+
+
+def machine_busy() -> float:
+    """Seconds of CPU the whole machine has spent busy (/proc/stat): includes the kernel's own workers, which
+    tear a network namespace down after its last process exits, charged to no process."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _stat(pid: str) -> tuple[int, int, int, str, str] | None:

@@ -20,8 +20,9 @@ scrubbed environment. Two processes result:
   so does the zygote (and the whole worker with it: the server starts a new one).
 
 Neither the zygote nor the forker reads a run's code, input or output (they go straight between the
-server and the run's processes), so nothing of one run stays in the memory that later runs are forked from. If the launcher or the
-zygote dies, PR_SET_PDEATHSIG and PID-namespace teardown kill every process below it.
+server and the run's processes), so nothing of one run stays in the memory that later runs are forked
+from. If the launcher or the zygote dies, PR_SET_PDEATHSIG and PID-namespace teardown kill every process
+below it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from sandbox.testing import ServerProcess, descendants, sandbox_uid_processes
+from sandbox.testing import ServerProcess, descendants, nested_pids, sandbox_uid_processes
 
 SECRET = f"key-{uuid.uuid4().hex}"
 
@@ -184,16 +184,16 @@ def test_a_prepared_program_killed_while_waiting_is_replaced(server):
         assert re.search(r"/worker0\.\d+/run$", body["run_result"]["stdout"], re.M), body["run_result"]["stdout"]
 
 
-def _nested(server: ServerProcess) -> dict[int, tuple[list[str], bool]]:
+def _nested(server: ServerProcess) -> dict[int, tuple[list[int], bool]]:
     """The server's processes: pid -> (its pid in each PID namespace, outermost first; whether it maps numpy)."""
     found = {}
     for pid in descendants(server.proc.pid):
         try:
-            status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
             maps = open(f"/proc/{pid}/maps").read()
         except OSError:
             continue
-        found[pid] = (status["NSpid"].split(), "numpy" in maps)
+        if (ids := nested_pids(pid)) is not None:
+            found[pid] = (ids, "numpy" in maps)
     return found
 
 
@@ -205,8 +205,8 @@ def test_the_supervisor_is_lean_and_the_program_preloaded(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         nested = _nested(server)
-        runs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == "1"]
-        programs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == "2"]
+        runs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == 1]
+        programs = [maps for ids, maps in nested.values() if len(ids) == 3 and ids[-1] == 2]
         if runs and programs:
             break
         time.sleep(0.05)  # a polling interval: the process table is read each time
@@ -214,7 +214,7 @@ def test_the_supervisor_is_lean_and_the_program_preloaded(server):
         raise AssertionError(f"no prepared supervisor and program appeared: {nested}")
     assert not any(runs), nested
     assert all(programs), nested
-    zygotes = [maps for ids, maps in nested.values() if len(ids) == 2 and ids[-1] == "1"]
+    zygotes = [maps for ids, maps in nested.values() if len(ids) == 2 and ids[-1] == 1]
     assert zygotes == [False], nested
 
 
@@ -226,14 +226,14 @@ def _parent(pid: int) -> int:
 def test_a_dead_forker_takes_its_worker_along(server):
     """Kill the worker's program forker: no run could get a program, so its zygote exits with it; the
     server reaps the old launcher and starts a new worker, runs succeed again, and nothing is left."""
-    forkers = [pid for pid, (ids, _) in _nested(server).items() if len(ids) == 2 and ids[-1] == "2"]
+    forkers = [pid for pid, (ids, _) in _nested(server).items() if len(ids) == 2 and ids[-1] == 2]
     assert len(forkers) == 1, _nested(server)
     launcher = _parent(_parent(forkers[0]))
     os.kill(forkers[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while True:
         nested = _nested(server)
-        fresh = [pid for pid, (ids, _) in nested.items() if len(ids) == 2 and ids[-1] == "2"]
+        fresh = [pid for pid, (ids, _) in nested.items() if len(ids) == 2 and ids[-1] == 2]
         if launcher not in descendants(server.proc.pid) and fresh:
             break
         assert time.monotonic() < deadline, f"the worker was not replaced: {nested}"
