@@ -63,8 +63,9 @@ ARGUMENT_RULES = {"clone": (0, "any_bits", libc.CLONE_PARENT, errno.EPERM),
 # the other netlink protocols (audit, uevents, sock_diag, ...) are kernel surface no program needs.
 ALLOWED_SOCKETS: dict[int, tuple[int, ...] | None] = {
     socket.AF_UNIX: None, socket.AF_INET: None, socket.AF_INET6: None, socket.AF_NETLINK: (0,)}
-# The namespaces a program's process joins after its fork, in this order (it was forked into the PID one).
-JOINED = (libc.CLONE_NEWNS, libc.CLONE_NEWIPC, libc.CLONE_NEWNET)
+# The namespaces a program's process joins after its fork (it was forked into the PID one), by their names
+# under /proc/<pid>/ns: the supervisor sends them in this order, after its PID namespace.
+JOINED = (("mnt", libc.CLONE_NEWNS), ("ipc", libc.CLONE_NEWIPC), ("net", libc.CLONE_NEWNET))
 PENDING_RETRY_S = 0.05
 
 
@@ -181,7 +182,7 @@ class _Forker:
             raise
         if pid == 0:
             try:  # never return into the forker's loop, whatever the program did to the interpreter
-                for fd, kind in zip(joined, JOINED, strict=True):
+                for fd, (_, kind) in zip(joined, JOINED, strict=True):
                     libc.setns(fd, kind)
                 program_main(self.static, uid, channel)
             except BaseException as e:  # noqa: BLE001

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from sandbox import libc, program
+from sandbox import forker, libc, program
 from sandbox.program import SETUP_FAILED, WORKDIR
 from sandbox.wire import read_all_fd, recv_msg, send_msg, write_all_fd
 
@@ -52,10 +52,10 @@ class _Program:
     pidfd: int = -1  # its exit, seen at once (the status comes from the forker, its parent)
 
 
-def main(static: dict[str, Any], channel: int, inherited: list[int], forker: int) -> NoReturn:
-    """Entry point right after the zygote's fork; never returns. `forker`: our line to the program forker."""
+def main(static: dict[str, Any], channel: int, inherited: list[int], forker_fd: int) -> NoReturn:
+    """Entry point right after the zygote's fork; never returns. `forker_fd`: our line to the program forker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # no handler (Python's raises KeyboardInterrupt): PID 1
-    fork = socket.socket(fileno=forker)
+    fork = socket.socket(fileno=forker_fd)
     try:
         for fd in inherited:
             os.close(fd)
@@ -105,7 +105,8 @@ def _fork_program(fork: socket.socket, uid: int) -> _Program:
     """Have the program forker fork the program's process into our PID namespace; it joins our mount, IPC
     and network namespaces, prepares itself, then waits for `_release`."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in ("pid", "mnt", "ipc", "net")]
+    names = ["pid", *(name for name, _ in forker.JOINED)]
+    namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in names]
     try:
         send_msg(fork, {"op": "fork", "uid": uid}, [theirs.fileno(), *namespaces])
     finally:
