@@ -3,9 +3,9 @@
 It is forked ahead of the run (a session's, when the session starts), already under no_new_privs and the
 seccomp filter it inherits from the forker (forker.confine says what it denies), and prepares what does not
 depend on the request (`prepare`): it leaves the process group and session it was born in, joins the run's
-memory cgroup, closes every descriptor it inherited, drops to the run's
-unprivileged uid (or, in the single-uid fallback, drops every capability) with its static rlimits, reseeds
-the random generators and builds a fresh `__main__`. Then it waits. When its supervisor (supervisor.py)
+memory cgroup, closes every descriptor it inherited, drops to the run's unprivileged uid (or, in the
+single-uid fallback, drops every capability) with its static rlimits, reseeds the random generators and
+builds a fresh `__main__`. Then it waits. When its supervisor (supervisor.py)
 hands it the run (`start`), it puts the run's stdout/stderr at fds 1/2, reads the request, writes the input
 files and the program file, sets the run's memory and CPU limits, tells the supervisor it starts, closes its
 last line to it and becomes the program: Python runs in this already-warm interpreter from
