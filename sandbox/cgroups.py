@@ -8,6 +8,9 @@ its `memory` limit is the run's memory budget, counting real memory of all of th
 its /tmp files, not address space. A worker runs one program at a time, so one `run` group per worker is
 a per-run cgroup without a per-run cost.
 
+The sessions' worker has no `run` group but one memory group per live session (`session.<id>`, made
+when the session starts and removed when it has ended), whose limit is that session's budget.
+
 Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>.<n>/{zygote,run}
 (the zygote's processes live in `zygote`: cgroup v2 allows processes only in leaves; n counts the zygotes
 the server started, so a replacement never shares the group of the one it replaces).
@@ -25,7 +28,7 @@ log = logging.getLogger("sandbox.cgroups")
 PREFIX = "agentrl-sandbox-"
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
+def mounts() -> list[tuple[str, str, set[str]]]:
     """(mount point, fstype, super options) of the cgroup mounts visible to us."""
     found = []
     with open("/proc/self/mountinfo") as f:
@@ -91,8 +94,8 @@ class CgroupSet:
     def create(cls) -> tuple[CgroupSet | None, str]:
         """Our group under each usable hierarchy, or (None, why not)."""
         name = f"{PREFIX}{os.getpid()}"
-        mounts = _mounts()
-        v1 = {c: m for m, fstype, opts in mounts if fstype == "cgroup" for c in ("memory", "pids") if c in opts}
+        found = mounts()
+        v1 = {c: m for m, fstype, opts in found if fstype == "cgroup" for c in ("memory", "pids") if c in opts}
         try:
             if len(v1) == 2:
                 groups = {}
@@ -102,7 +105,7 @@ class CgroupSet:
                     groups[controller] = os.path.join(base, name)
                     os.makedirs(groups[controller], exist_ok=True)
                 return cls("v1", groups), "cgroup v1 (memory, pids)"
-            v2 = [m for m, fstype, _ in mounts if fstype == "cgroup2"]
+            v2 = [m for m, fstype, _ in found if fstype == "cgroup2"]
             for mount in v2:
                 base = mount + _own_path(None)
                 with open(os.path.join(base, "cgroup.controllers")) as f:
@@ -171,6 +174,32 @@ class CgroupSet:
         group = self.groups.get("memory") or self.groups["unified"]
         name = "tasks" if self.version == "v1" else "cgroup.procs"
         return os.open(os.path.join(group, worker, "run", name), os.O_WRONLY | os.O_CLOEXEC)
+
+    def open_session(self, worker: str, session: str, memory_bytes: int) -> int:
+        """A memory group of its own for one session (`session.<session>` beside the worker's leaves) with
+        `memory_bytes` as its limit; returns a write descriptor on its procs file, as `open_run_procs`.
+        Each session's memory is then counted, and reclaimed or OOM-killed, apart from the others' and
+        from the zygote's and the forker's."""
+        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{session}")
+        os.makedirs(group, exist_ok=True)
+        try:
+            self._limit_memory(group, memory_bytes)
+            return os.open(os.path.join(group, "tasks" if self.version == "v1" else "cgroup.procs"),
+                           os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            _rmdir_quiet(group)
+            raise
+
+    def remove_session(self, worker: str, session: str) -> bool:
+        """Remove a session's group; False while it still holds a process (the caller tries again later)."""
+        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{session}")
+        try:
+            os.rmdir(group)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
 
     def oom_kills(self, worker: str) -> int:
         """How many times the kernel OOM-killed inside this worker's cgroups (for /health)."""

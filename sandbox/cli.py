@@ -38,6 +38,9 @@ def serve(
     max_sessions: int = typer.Option(32, help="Live sessions at most (0 disables sessions)."),
     session_idle: float = typer.Option(600.0, help="Seconds before an unused session is closed."),
     max_session_idle: float = typer.Option(3600.0, help="Upper bound on a session's own idle_timeout."),
+    sessions_memory_mb: int = typer.Option(
+        8192, help="Memory of all live sessions together: a session whose budget would take the open ones' "
+                   "sum past it is refused (429)."),
     preload: str | None = typer.Option(
         None, help="Modules every worker imports before serving, comma-separated (default: math, numpy "
                    "and its random/linalg/fft, sympy, and a few stdlib modules)."),
@@ -62,7 +65,7 @@ def serve(
         max_run_timeout_s=max_run_timeout, default_memory_mb=default_memory_mb, max_memory_mb=max_memory_mb,
         max_processes=max_processes, disk_mb=disk_mb, max_output_bytes=max_output_bytes,
         max_code_bytes=max_code_bytes, max_sessions=max_sessions, session_idle_s=session_idle,
-        max_session_idle_s=max_session_idle,
+        max_session_idle_s=max_session_idle, sessions_memory_mb=sessions_memory_mb,
         single_uid=single_uid, **extra,  # type: ignore[arg-type]
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -174,7 +174,7 @@ async def execute(worker: Zygote, job: Job, settings: Settings, release: Callabl
     run_id = uuid.uuid4().hex
     msg = {"op": "run", "id": run_id, "lang": job.language, "timeout": job.timeout_s,
            "backstop": backstop_s(job.timeout_s),
-           "limits": limits_for(settings, job.timeout_s, job.memory_mb, worker.map_self, worker.run_cgroup)}
+           "limits": limits_for(settings, job.timeout_s, job.memory_mb, worker.map_self, worker.memory_cgroup)}
     try:
         sock, child_fds, out, err = open_channels(settings, worker.host_uid(worker.uid))
     except OSError as e:  # e.g. out of descriptors: the worker goes back to the pool unused

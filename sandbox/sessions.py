@@ -6,7 +6,9 @@ sessions can neither see nor signal nor reach each other. Calls go over the sess
 frames; stdout/stderr are per call. A call over its `run_timeout` is interrupted (SIGINT ->
 KeyboardInterrupt, the session survives); one that ignores the interrupt for `INTERRUPT_GRACE_S` takes its
 session down. Sessions unused for their idle timeout are closed; at most `max_sessions` live at once.
-server.py maps `SessionError` to its HTTP status.
+Each session's memory budget is the limit of a memory cgroup of its own (cgroups.py), which its process
+joins before its first call; the live sessions' budgets together stay within `sessions_memory_mb`, so
+no session's use can get another's processes OOM-killed. server.py maps `SessionError` to its HTTP status.
 
 A session belongs to its creator: clients reach it only through its `token` (128 random bits, compared
 in constant time), which only the creator receives; an unknown token, a closed session's and a mistyped
@@ -30,7 +32,7 @@ from typing import Any
 from sandbox.cgroups import CgroupSet
 from sandbox.models import SessionRunRequest
 from sandbox.run import Outcome, OutputCapture, check_files_and_time, open_channels
-from sandbox.settings import Settings
+from sandbox.settings import MB, Settings
 from sandbox.wire import FRAME_HEADER, encode_frame
 from sandbox.worker import Zygote, ZygoteDied, limits_for
 
@@ -72,6 +74,9 @@ class SessionManager:
         self.zygote = self._new_zygote(cgroups)
         self.sessions: dict[str, Session] = {}
         self._starting = 0  # sessions being created: they hold a slot across the awaits of create()
+        self._starting_mb = 0  # and their memory budgets
+        self._group_of: dict[str, str] = {}  # session id -> the worker cgroup its memory group is under
+        self._retired: set[tuple[str, str]] = set()  # (worker cgroup, session id): groups to remove
         self._counter = 0
         self._reaper: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()
@@ -123,11 +128,18 @@ class SessionManager:
                 raise SessionError(503, "the sessions' sandbox worker could not be restarted")
         if len(self.sessions) + self._starting >= self.settings.max_sessions:
             raise SessionError(429, f"{self.settings.max_sessions} sessions are open; close one first")
-        self._starting += 1  # the slot is taken before the first await below
+        held = sum(session.memory_mb for session in self.sessions.values()) + self._starting_mb
+        if held + memory_mb > self.settings.sessions_memory_mb:
+            raise SessionError(429, f"the open sessions hold {held} MB of the {self.settings.sessions_memory_mb} MB "
+                                    f"all sessions may use (--sessions-memory-mb); this one asks for {memory_mb} "
+                                    "MB: close one, or ask for less memory_limit_MB")
+        self._starting += 1  # the slot and the memory are taken before the first await below
+        self._starting_mb += memory_mb
         try:
             return await self._create(memory_mb, idle_timeout)
         finally:
             self._starting -= 1
+            self._starting_mb -= memory_mb
 
     async def _create(self, memory_mb: int, idle_timeout: float | None) -> Session:
         sid = uuid.uuid4().hex
@@ -137,13 +149,16 @@ class SessionManager:
             sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
         except OSError as e:
             raise SessionError(503, f"could not start a session: {e}") from None
-        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self, False)
+        child_fds += self._memory_group(sid, memory_mb)
+        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self,
+                            len(child_fds) == 4)
         try:
             exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
         except ZygoteDied as e:
             sock.close()
             out.close()
             err.close()
+            self._retire_group(sid)
             raise SessionError(503, str(e)) from None
         finally:
             for fd in child_fds:
@@ -155,10 +170,36 @@ class SessionManager:
         exited.add_done_callback(lambda f: self._ended(sid))
         return session
 
+    def _memory_group(self, sid: str, memory_mb: int) -> list[int]:
+        """The session's own memory cgroup, its budget as the limit: [a descriptor the session's process
+        joins it with], or [] where there are no cgroups (RLIMIT_AS then bounds each of its processes)."""
+        cgroups = self.zygote.cgroups
+        if cgroups is None:
+            return []
+        try:
+            fd = cgroups.open_session(self.zygote.cgroup, sid, memory_mb * MB)
+        except OSError as e:
+            log.warning("no memory cgroup for a session (%s): its processes get RLIMIT_AS instead", e)
+            return []
+        self._group_of[sid] = self.zygote.cgroup
+        return [fd]
+
     def _ended(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
         if session is not None and not session.lock.locked():
             session.close_channels()
+        self._retire_group(sid)
+
+    def _retire_group(self, sid: str) -> None:
+        """Remove the memory group of a session that has ended, and those of earlier ones whose removal
+        failed (a group still holding a process that is exiting: tried again at the next session's end)."""
+        worker = self._group_of.pop(sid, None)
+        if worker is not None:
+            self._retired.add((worker, sid))
+        cgroups = self.zygote.cgroups
+        for worker, old in list(self._retired):
+            if cgroups is None or cgroups.remove_session(worker, old):
+                self._retired.discard((worker, old))
 
     def get(self, token: str) -> Session:
         """The live session whose token is `token`. Every live token is compared, in constant time, so

@@ -65,8 +65,8 @@ class Settings:
     session_idle_s: float = 600.0  # a session unused this long is closed
     max_session_idle_s: float = 3600.0  # the longest idle_timeout a session may ask for
     session_cpu_s: float = 600.0  # RLIMIT_CPU over a session's whole life
-    session_memory_mb: int = 1024  # RLIMIT_AS budget of each session
-    sessions_memory_mb: int = 8192  # cgroup cap on all sessions together
+    session_memory_mb: int = 1024  # a session's budget when its creator gives none
+    sessions_memory_mb: int = 8192  # the budgets of all live sessions together (cgroup cap on them all)
 
     def clamp_timeout(self, requested: float | None) -> float:
         if requested is None or requested <= 0:

@@ -55,7 +55,7 @@ def limits_for(settings: Settings, timeout_s: float, memory_mb: int, map_self: b
     return {
         "cpu_s": timeout_s + 1,
         "memory_mb": memory_mb,
-        "cgroup_memory": cgroup_memory,  # True: the run's cgroup counts memory; False: RLIMIT_AS does
+        "cgroup_memory": cgroup_memory,  # True: the run's (session's) cgroup counts memory; False: RLIMIT_AS does
         # The next run's prepared process shares the uid (+1); in the single-uid fallback the launcher, the
         # zygote, the forker and the two supervisors do too.
         "nproc": settings.max_processes + (6 if map_self else 1),
@@ -165,14 +165,15 @@ class Zygote:
     def _child_config(self) -> dict[str, Any]:
         """What every child of this zygote shares; a run worker's children drop privileges ahead."""
         limits = limits_for(self.settings, self.settings.default_run_timeout_s, self.settings.default_memory_mb,
-                            self.map_self, self.run_cgroup)
+                            self.map_self, self.memory_cgroup)
         return {"disk_mb": self.settings.disk_mb, "limits": limits, "map_self": self.map_self,
                 "uid": None if self.sessions else self.uid, "tmp_binds": self.spec.tmp_binds}
 
     @property
-    def run_cgroup(self) -> bool:
-        """Whether runs of this zygote have a memory cgroup of their own (else RLIMIT_AS bounds memory)."""
-        return self.cgroups is not None and not self.sessions
+    def memory_cgroup(self) -> bool:
+        """Whether a run (the worker's `run` group) or a session (a group each) of this zygote has a memory
+        cgroup of its own; else RLIMIT_AS bounds memory."""
+        return self.cgroups is not None
 
     async def _expect(self, op: str) -> dict[str, Any]:
         msg = await asyncio.wait_for(self._inbox.get(), STARTUP_TIMEOUT_S)
@@ -275,7 +276,7 @@ class Zygote:
 
     def set_memory_limit(self, memory_mb: int) -> None:
         """The next run's memory budget on this worker's `run` cgroup (written only when it changes)."""
-        if not self.run_cgroup or memory_mb == self._memory_limit:
+        if not self.memory_cgroup or self.sessions or memory_mb == self._memory_limit:
             return
         assert self.cgroups is not None
         try:

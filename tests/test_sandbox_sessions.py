@@ -21,6 +21,7 @@ import pytest
 
 from agentrl.tools.code import CodeTool
 from agentrl.types import ToolCall
+from sandbox.cgroups import mounts as cgroup_mounts
 from sandbox.settings import MIN_MEMORY_MB
 from sandbox.testing import ServerProcess, descendants, free_port, sandbox_uid_processes
 
@@ -162,6 +163,64 @@ def test_session_cap_holds_under_concurrent_creates_and_idle_is_bounded():
                        headers={"content-type": "application/json"})
         assert too_big.status_code == 422 and "idle_timeout" in too_big.text
         call(s, "DELETE", f"/sessions/{created.json()['session_id']}")
+        assert s.leftovers() == []
+
+
+HOLD_IN_CHILDREN = """
+import os
+go_r, go_w = os.pipe()
+kids = []
+for _ in range(3):
+    ready_r, ready_w = os.pipe()  # one each: EOF tells the parent that child died before it was ready
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        block = b"x" * (150 << 20)  # written, so resident: 150 MB in each child, under any per-process limit
+        os.write(ready_w, b"1")
+        os.read(go_r, 1)
+        os._exit(0)
+    os.close(ready_w)
+    kids.append((pid, ready_r))
+for _, ready_r in kids:
+    os.read(ready_r, 1)
+os.close(go_w)
+print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, _ in kids])
+"""
+
+
+def _memory_group(server: ServerProcess, sid: str) -> str:
+    """The memory cgroup a session's process is in, as the session reads it."""
+    out = session_run(server, sid, "print(open('/proc/self/cgroup').read())")["run_result"]["stdout"]
+    return next(line.split(":", 2)[2] for line in out.splitlines() if line.split(":")[1] == "memory")
+
+
+def test_each_session_has_its_own_memory_budget_and_the_budgets_are_admitted():
+    """Each session's processes together are held to its own budget, in a memory cgroup of its own: a
+    session whose three children hold 450 MB against its 300 MB is OOM-killed there (each child alone
+    is under the budget) while the other session's state lives on. A session whose budget would take the
+    open sessions' sum past --sessions-memory-mb is refused with 429; a closed session's group is removed."""
+    with ServerProcess("--workers", "1", "--max-sessions", "4", "--sessions-memory-mb", "700", "--disk-mb", "64") as s:
+        if not s.cgroup_memory:
+            pytest.skip("the server has no usable memory cgroups here (it falls back to RLIMIT_AS per process)")
+        ids = [call(s, "POST", "/sessions", json={"memory_limit_MB": 300}).json()["session_id"] for _ in range(2)]
+        over = call(s, "POST", "/sessions", json={"memory_limit_MB": 200})
+        assert over.status_code == 429 and "hold 600 MB of the 700 MB" in over.json()["detail"], over.text
+        groups = [_memory_group(s, sid) for sid in ids]
+        assert groups[0] != groups[1] and all("/session." in g for g in groups), groups
+        mount = next(m for m, fstype, opts in cgroup_mounts() if fstype == "cgroup2" or "memory" in opts)
+        assert all(os.path.isdir(mount + g) for g in groups)
+        session_run(s, ids[1], "keep = b'k' * (100 << 20)")
+        filled = call(s, "POST", f"/sessions/{ids[0]}/run_code", json={"code": HOLD_IN_CHILDREN}).json()
+        killed = filled["message"] == "the session ended; its state is gone" or "-9" in filled["run_result"]["stdout"]
+        assert killed and "[0, 0, 0]" not in filled["run_result"]["stdout"], filled
+        assert session_run(s, ids[1], "print(len(keep))")["run_result"]["stdout"] == f"{100 << 20}\n"
+        for sid in ids:
+            call(s, "DELETE", f"/sessions/{sid}")
+        whole = call(s, "POST", "/sessions", json={"memory_limit_MB": 700})
+        assert whole.status_code == 201, whole.text
+        assert not any(os.path.isdir(mount + g) for g in groups), groups
+        call(s, "DELETE", f"/sessions/{whole.json()['session_id']}")
         assert s.leftovers() == []
 
 
@@ -363,7 +422,7 @@ def test_running_out_of_descriptors_leaks_nothing_and_frees_the_worker(monkeypat
     monkeypatch.setattr(run_module.os, "pipe2", failing_second_pipe)
 
     class Worker:  # never reached: spawn would need the descriptors
-        uid, map_self, run_cgroup = 1000, False, False
+        uid, map_self, memory_cgroup = 1000, False, False
 
         def host_uid(self, uid):
             return None
