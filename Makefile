@@ -16,7 +16,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 	 else $(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e '.[dev,docker,tracking]'
+	$(BIN)/pip install -q -e '.[dev,docker,tracking,faiss-cpu]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -132,6 +132,8 @@ def build(cfg: BuildConfig) -> Manifest:
 
 def _build_locked(cfg: BuildConfig) -> Manifest:
     dense = cfg.index_type in DENSE_TYPES
+    if dense:  # faiss is an extra: without it the build stops here, not after hours of encoding
+        import retriever.faiss_index  # noqa: F401
     spec = (
         resolve_encoder(
             cfg.encoder, pooling=cfg.pooling, prefix_style=cfg.prefix_style, query_prefix=cfg.query_prefix,
@@ -173,21 +175,24 @@ def _build_locked(cfg: BuildConfig) -> Manifest:
             duplicate_ids=duplicates,
         ),
         index_params=index_params,
-        build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started)
-        | {"first_duplicate_ids": first_duplicates},
+        build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started,
+                          dense=spec is not None) | {"first_duplicate_ids": first_duplicates},
     )  # fmt: skip
     _finish(cfg, work, manifest, state)
     return manifest
 
 
-def _build_info(state: BuildState, index_seconds: float, total_seconds: float) -> dict[str, Any]:
-    import faiss
+def _build_info(state: BuildState, index_seconds: float, total_seconds: float, dense: bool) -> dict[str, Any]:
+    faiss_version = None
+    if dense:
+        from retriever.faiss_index import faiss
 
+        faiss_version = faiss.__version__
     rate = state.rows / state.encode_seconds if state.encode_seconds else None
     return {
         "encode_seconds": round(state.encode_seconds, 3), "index_seconds": round(index_seconds, 3),
         "passages_per_second": round(rate, 1) if rate else None, "seconds_this_run": round(total_seconds, 3),
-        "faiss_version": faiss.__version__, "first_skipped": state.examples.get("skipped", []),
+        "faiss_version": faiss_version, "first_skipped": state.examples.get("skipped", []),
         "first_truncated": state.examples.get("truncated", []), "first_empty": state.examples.get("empty", []),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }  # fmt: skip

@@ -20,10 +20,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
 from retriever.errors import RetrieverError
+
+try:
+    import faiss
+except ImportError as e:  # an extra: faiss-cpu, or faiss-gpu with the gpu extra (one of them: both are `faiss`)
+    raise RetrieverError(f"dense indexes need faiss ({e}): pip install 'agentrl[faiss-cpu]', or 'agentrl[gpu]' "
+                         "on NVIDIA GPUs (faiss-gpu), never both; BM25 indexes need neither") from e
+
 from retriever.ranking import best_first, exact_scores
 
 INDEX_FILE = "index.faiss"

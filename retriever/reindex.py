@@ -29,9 +29,7 @@ _CHUNK = 65536
 
 def _vector_source(src: Path, manifest: Manifest):
     """(shards, sample) callables over SRC's vectors, as build_faiss takes them."""
-    import faiss
-
-    from retriever.faiss_index import INDEX_FILE
+    from retriever.faiss_index import INDEX_FILE, faiss
 
     n = manifest.corpus.rows
     embeddings = src / EMBEDDINGS_DIR

@@ -53,6 +53,27 @@ def test_bad_json_line_stops_the_build_naming_the_line(tmp_path):
     assert not (tmp_path / "idx").exists()
 
 
+def test_bm25_needs_no_faiss_and_a_dense_build_without_it_names_the_extra(tmp_path, tiny_encoder):
+    """faiss is an extra (faiss-cpu, or faiss-gpu with `gpu`): without it a BM25 index builds, and a dense
+    build stops with the install command before it encodes anything."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", HAND_CORPUS)
+    without_faiss = ("import runpy, sys; sys.modules['faiss'] = None; sys.argv[0] = 'retriever'; "
+                     "runpy.run_module('retriever', run_name='__main__')")
+
+    def build_without_faiss(out: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", without_faiss, "build", "--corpus", str(corpus), "--out",
+                               str(out), "--quiet", *args], capture_output=True, text=True, cwd=REPO)
+
+    sparse = build_without_faiss(tmp_path / "bm25", "--index", "bm25")
+    assert sparse.returncode == 0, sparse.stderr
+    assert read_manifest(tmp_path / "bm25").corpus.rows == len(HAND_CORPUS)
+    assert read_manifest(tmp_path / "bm25").build["faiss_version"] is None
+    dense = build_without_faiss(tmp_path / "flat", "--index", "flat", "--encoder", str(tiny_encoder))
+    assert dense.returncode == 2 and "error: dense indexes need faiss" in dense.stderr, dense.stderr
+    assert "pip install 'agentrl[faiss-cpu]'" in dense.stderr and "Traceback" not in dense.stderr
+    assert not (tmp_path / "flat").exists() and not partial_dir(tmp_path / "flat").exists()  # stopped before encoding
+
+
 def test_missing_contents_is_named(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [HAND_CORPUS[0], {"id": "7", "text": "no contents"}])
     with pytest.raises(RetrieverError, match=r"corpus line 2: lacks a `contents` field"):
