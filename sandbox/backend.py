@@ -68,7 +68,7 @@ class NamespaceBackend:
     def status(self) -> dict[str, Any]:
         return {
             **self.pool.status(),
-            **(self.sessions.status() if self.sessions else {"sessions": 0, "max_sessions": 0}),
+            **(self.sessions.status() if self.sessions else {"sessions": 0, "max_sessions": 0, "session_oom_kills": 0}),
             "isolation": {
                 "namespaces": ["user", "pid", "mount", "network", "ipc", "uts"],
                 "uids": f"host uids {self.uid_base}-{self.uid_base + 65535}, held by this service alone"
@@ -76,7 +76,7 @@ class NamespaceBackend:
                         "single-uid fallback: runs keep the server's host uid, with no capabilities",
                 "host_uid_base": self.uid_base if self.root else None,
                 "cgroups": self.cgroup_note,
-                "memory": "real memory of a run's processes and /tmp files (cgroup)" if self.cgroups else
+                "memory": "real memory of a run's (a session's) processes and /tmp files (cgroup)" if self.cgroups else
                           "address space per process (RLIMIT_AS)",
                 "seccomp": "keyring, kernel-log, inotify/fanotify and io_uring calls denied (ENOSYS); "
                            "sockets only AF_UNIX, AF_INET, AF_INET6, route netlink (else EAFNOSUPPORT)",

@@ -201,12 +201,12 @@ class CgroupSet:
             return False
         return True
 
-    def oom_kills(self, worker: str) -> int:
-        """How many times the kernel OOM-killed inside this worker's cgroups (for /health)."""
+    def oom_kills(self, worker: str, leaves: tuple[str, ...] = ("run", "zygote")) -> int:
+        """How many times the kernel OOM-killed inside these groups of the worker (for /health)."""
         group = self.groups.get("memory") or self.groups.get("unified")
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
         total = 0
-        for leaf in ("run", "zygote"):
+        for leaf in leaves:
             try:
                 with open(os.path.join(group or "", worker, leaf, name)) as f:
                     for line in f:

@@ -77,6 +77,7 @@ class SessionManager:
         self._starting_mb = 0  # and their memory budgets
         self._group_of: dict[str, str] = {}  # session id -> the worker cgroup its memory group is under
         self._retired: set[tuple[str, str]] = set()  # (worker cgroup, session id): groups to remove
+        self._oom_kills = 0  # OOM kills inside the groups of sessions that have ended
         self._counter = 0
         self._reaper: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Future[None]] = set()
@@ -194,9 +195,10 @@ class SessionManager:
         """Remove the memory group of a session that has ended, and those of earlier ones whose removal
         failed (a group still holding a process that is exiting: tried again at the next session's end)."""
         worker = self._group_of.pop(sid, None)
-        if worker is not None:
-            self._retired.add((worker, sid))
         cgroups = self.zygote.cgroups
+        if worker is not None and cgroups is not None:
+            self._oom_kills += cgroups.oom_kills(worker, (f"session.{sid}",))
+            self._retired.add((worker, sid))
         for worker, old in list(self._retired):
             if cgroups is None or cgroups.remove_session(worker, old):
                 self._retired.discard((worker, old))
@@ -289,7 +291,10 @@ class SessionManager:
                     await self.close(sid)
 
     def status(self) -> dict[str, int]:
-        return {"sessions": len(self.sessions), "max_sessions": self.settings.max_sessions}
+        """Counts for /health: live sessions, the cap, and the OOM kills inside sessions' own memory groups."""
+        cgroups, live = self.zygote.cgroups, list(self._group_of.items())
+        oom = self._oom_kills + (sum(cgroups.oom_kills(w, (f"session.{sid}",)) for sid, w in live) if cgroups else 0)
+        return {"sessions": len(self.sessions), "max_sessions": self.settings.max_sessions, "session_oom_kills": oom}
 
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> dict[str, Any] | None:

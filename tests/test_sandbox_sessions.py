@@ -214,6 +214,7 @@ def test_each_session_has_its_own_memory_budget_and_the_budgets_are_admitted():
         filled = call(s, "POST", f"/sessions/{ids[0]}/run_code", json={"code": HOLD_IN_CHILDREN}).json()
         killed = filled["message"] == "the session ended; its state is gone" or "-9" in filled["run_result"]["stdout"]
         assert killed and "[0, 0, 0]" not in filled["run_result"]["stdout"], filled
+        assert call(s, "GET", "/health").json()["session_oom_kills"] >= 1
         assert session_run(s, ids[1], "print(len(keep))")["run_result"]["stdout"] == f"{100 << 20}\n"
         for sid in ids:
             call(s, "DELETE", f"/sessions/{sid}")
