@@ -235,8 +235,8 @@ def program_main(static: dict[str, Any], uid: int, channel: int) -> NoReturn:
     limits = msg["limits"]
     if msg["op"] == "session":
         chan.close()
-        if len(fds) == 4:  # the session's own memory cgroup (sessions.py): this process and all it starts
-            os.write(fds[3], b"0")
+        if limits["cgroup_memory"]:  # the session's own memory cgroup (sessions.py), the descriptor after
+            os.write(fds[3], b"0")  # stdio's: this process and everything it starts are counted there
             os.close(fds.pop())
         program.place_fds(fds, (program.SESSION_FD, 1, 2))
         os.set_inheritable(program.SESSION_FD, False)  # the session's own children never get the socket

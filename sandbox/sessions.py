@@ -150,9 +150,9 @@ class SessionManager:
             sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
         except OSError as e:
             raise SessionError(503, f"could not start a session: {e}") from None
-        child_fds += self._memory_group(sid, memory_mb)
-        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self,
-                            len(child_fds) == 4)
+        group = self._memory_group(sid, memory_mb)  # the session's process joins it (forker.program_main)
+        child_fds += group
+        limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self, bool(group))
         try:
             exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
         except ZygoteDied as e:
