@@ -8,7 +8,7 @@ its `memory` limit is the run's memory budget, counting real memory of all of th
 its /tmp files, not address space. A worker runs one program at a time, so one `run` group per worker is
 a per-run cgroup without a per-run cost.
 
-The sessions' worker has no `run` group but one memory group per live session (`session.<id>`, made
+The sessions' worker has no `run` group but one memory group per live session (`session.<n>`, made
 when the session starts and removed when it has ended), whose limit is that session's budget.
 
 Layout: <controller mount>/<the server's own cgroup>/agentrl-sandbox-<server pid>/<worker name>.<n>/{zygote,run}
@@ -175,12 +175,12 @@ class CgroupSet:
         name = "tasks" if self.version == "v1" else "cgroup.procs"
         return os.open(os.path.join(group, worker, "run", name), os.O_WRONLY | os.O_CLOEXEC)
 
-    def open_session(self, worker: str, session: str, memory_bytes: int) -> int:
-        """A memory group of its own for one session (`session.<session>` beside the worker's leaves) with
+    def open_session(self, worker: str, name: str, memory_bytes: int) -> int:
+        """A memory group of its own for one session (`session.<name>` beside the worker's leaves) with
         `memory_bytes` as its limit; returns a write descriptor on its procs file, as `open_run_procs`.
         Each session's memory is then counted, and reclaimed or OOM-killed, apart from the others' and
         from the zygote's and the forker's."""
-        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{session}")
+        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{name}")
         os.makedirs(group, exist_ok=True)
         try:
             self._limit_memory(group, memory_bytes)
@@ -190,9 +190,9 @@ class CgroupSet:
             _rmdir_quiet(group)
             raise
 
-    def remove_session(self, worker: str, session: str) -> bool:
+    def remove_session(self, worker: str, name: str) -> bool:
         """Remove a session's group; False while it still holds a process (the caller tries again later)."""
-        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{session}")
+        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{name}")
         try:
             os.rmdir(group)
         except FileNotFoundError:

@@ -170,10 +170,12 @@ class _Forker:
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", (run, pid)))
 
     def _fork(self, uid: int, fds: list[int]) -> int:
-        """fds: the program's channel, then the run's PID, mount, IPC and network namespaces."""
+        """fds: the program's channel, then the run's PID, mount, IPC and network namespaces, and for a
+        session its own memory group's procs file (a run's program joins the worker's `run` group)."""
         channel, pidns, *joined = fds
+        cgroup_fd = joined.pop() if len(joined) == len(JOINED) + 1 else self.static.get("cgroup_fd")
         if len(joined) != len(JOINED):
-            raise OSError(f"expected a channel and 4 namespaces, got {len(fds)} descriptors")
+            raise OSError(f"expected a channel, 4 namespaces and a cgroup at most, got {len(fds)} descriptors")
         libc.setns(pidns, libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
         try:
             pid = os.fork()
@@ -184,7 +186,7 @@ class _Forker:
             try:  # never return into the forker's loop, whatever the program did to the interpreter
                 for fd, (_, kind) in zip(joined, JOINED, strict=True):
                     libc.setns(fd, kind)
-                program_main(self.static, uid, channel)
+                program_main(self.static, uid, channel, cgroup_fd)
             except BaseException as e:  # noqa: BLE001
                 os.write(2, f"sandbox: preparing the program failed: {type(e).__name__}: {e}\n".encode())
             finally:
@@ -219,11 +221,11 @@ class _Forker:
             pass  # the supervisor is exiting; its channel's end (seen next) reaps this process
 
 
-def program_main(static: dict[str, Any], uid: int, channel: int) -> NoReturn:
+def program_main(static: dict[str, Any], uid: int, channel: int, cgroup_fd: int | None) -> NoReturn:
     """In the program's process: prepare (program.prepare), wait until the supervisor has mounted the
     run's /tmp, then for the run or session, and become the program."""
     chan = socket.socket(fileno=channel)
-    namespace = program.prepare(static, uid, channel)
+    namespace = program.prepare(static, uid, channel, cgroup_fd)
     mounted, _ = recv_msg(chan)
     if mounted is None:
         program.exit_now(0)
@@ -235,9 +237,6 @@ def program_main(static: dict[str, Any], uid: int, channel: int) -> NoReturn:
     limits = msg["limits"]
     if msg["op"] == "session":
         chan.close()
-        if limits["cgroup_memory"]:  # the session's own memory cgroup (sessions.py), the descriptor after
-            os.write(fds[3], b"0")  # stdio's: this process and everything it starts are counted there
-            os.close(fds.pop())
         program.place_fds(fds, (program.SESSION_FD, 1, 2))
         os.set_inheritable(program.SESSION_FD, False)  # the session's own children never get the socket
         program.set_limits(limits)

@@ -54,15 +54,14 @@ class RequestError(Exception):
     """The request cannot be set up (its files do not fit the run's /tmp): the client's fault, a 4xx."""
 
 
-def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
+def prepare(static: dict[str, Any], uid: int, keep: int, cgroup_fd: int | None) -> dict[str, Any]:
     """Everything that does not depend on the request or on the run's mounts (which the supervisor makes
     meanwhile); returns the fresh `__main__` namespace. `keep`: the one descriptor left open (the line to
     the supervisor); the cgroup's is used, then closed."""
     # A process group and session of its own: groups span PID namespaces, and kill(0) would otherwise reach
     # every process of the server's group that its uid may signal (the next run's prepared program).
     os.setsid()
-    cgroup_fd = static.get("cgroup_fd")
-    if cgroup_fd is not None:  # the memory cgroup of the run: every process of the program is counted there
+    if cgroup_fd is not None:  # the run's (session's) memory cgroup: every process of the program counts there
         os.write(cgroup_fd, b"0")
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
         if fd > 2 and fd != keep:
@@ -95,8 +94,6 @@ def prepare(static: dict[str, Any], uid: int, keep: int) -> dict[str, Any]:
         resource.setrlimit(kind, (value, value))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over-size writes fail with EFBIG instead of killing
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the supervisor ignores it; Python does not
-    if not limits["cgroup_memory"]:  # address space is the only memory limit: keep thread arenas few
-        libc.limit_malloc_arenas(2)
     _reseed_numpy()
     compile("pass", "<string>", "exec")  # fault in the compiler's pages now, not on the request's time
     global _mapped
@@ -124,7 +121,8 @@ def start(request: dict[str, Any], lang: str, limits: dict[str, Any], fds: list[
 
 def set_limits(limits: dict[str, Any]) -> None:
     """The limits that come with the request: CPU time, and address space where no cgroup counts memory."""
-    if not limits["cgroup_memory"]:
+    if not limits["cgroup_memory"]:  # address space is the only memory limit: keep thread arenas few
+        libc.limit_malloc_arenas(2)
         resource.setrlimit(resource.RLIMIT_AS, (_mapped + 64 * MB + limits["memory_mb"] * MB,) * 2)
     # soft == hard: the hard limit's SIGKILL always lands, whatever the program does with SIGXCPU.
     resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(limits["cpu_s"]),) * 2)

@@ -37,6 +37,9 @@ from sandbox.wire import FRAME_HEADER, encode_frame
 from sandbox.worker import Zygote, ZygoteDied, limits_for
 
 INTERRUPT_GRACE_S = 2.0
+# Each session's supervisor, and what its program writes before it joins its own group, are counted in the
+# session worker's `zygote` group: its cap has this much per session beyond the sessions' budgets.
+SESSION_OVERHEAD_MB = 8
 
 
 log = logging.getLogger(__name__)
@@ -74,9 +77,9 @@ class SessionManager:
         self.zygote = self._new_zygote(cgroups)
         self.sessions: dict[str, Session] = {}
         self._starting = 0  # sessions being created: they hold a slot across the awaits of create()
-        self._starting_mb = 0  # and their memory budgets
-        self._group_of: dict[str, str] = {}  # session id -> the worker cgroup its memory group is under
-        self._retired: set[tuple[str, str]] = set()  # (worker cgroup, session id): groups to remove
+        self._budgets: dict[str, int] = {}  # session id -> its memory budget, from admission until it has ended
+        self._group_of: dict[str, tuple[str, str]] = {}  # session id -> (worker cgroup, name) of its memory group
+        self._retired: set[tuple[str, str]] = set()  # groups of ended sessions still to remove
         self._oom_kills = 0  # OOM kills inside the groups of sessions that have ended
         self._counter = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -87,7 +90,8 @@ class SessionManager:
     def _new_zygote(self, cgroups: CgroupSet | None) -> Zygote:
         s = self.settings
         zygote = Zygote("sessions", s.session_uid, s, cgroups, self.uid_base, sessions=True,
-                        cgroup_memory_mb=s.sessions_memory_mb, cgroup_pids=s.max_sessions * s.max_processes)
+                        cgroup_memory_mb=s.sessions_memory_mb + s.max_sessions * SESSION_OVERHEAD_MB,
+                        cgroup_pids=s.max_sessions * s.max_processes)
         zygote.on_death = self._on_death
         return zygote
 
@@ -129,79 +133,92 @@ class SessionManager:
                 raise SessionError(503, "the sessions' sandbox worker could not be restarted")
         if len(self.sessions) + self._starting >= self.settings.max_sessions:
             raise SessionError(429, f"{self.settings.max_sessions} sessions are open; close one first")
-        held = sum(session.memory_mb for session in self.sessions.values()) + self._starting_mb
-        if held + memory_mb > self.settings.sessions_memory_mb:
-            raise SessionError(429, f"the open sessions hold {held} MB of the {self.settings.sessions_memory_mb} MB "
-                                    f"all sessions may use (--sessions-memory-mb); this one asks for {memory_mb} "
-                                    "MB: close one, or ask for less memory_limit_MB")
-        self._starting += 1  # the slot and the memory are taken before the first await below
-        self._starting_mb += memory_mb
+        cap, held = self.settings.sessions_memory_mb, sum(self._budgets.values())
+        if memory_mb > cap:
+            raise SessionError(422, f"memory_limit_MB is {memory_mb}; all sessions together may use {cap} MB "
+                                    "(--sessions-memory-mb)")
+        if held + memory_mb > cap:
+            raise SessionError(429, f"the open sessions hold {held} MB of the {cap} MB all sessions may use "
+                                    f"(--sessions-memory-mb); this one asks for {memory_mb} MB: close one, or "
+                                    "ask for less memory_limit_MB")
+        sid = uuid.uuid4().hex
+        self._budgets[sid] = memory_mb  # held until the session has ended (`_ended`), taken before any await
+        self._starting += 1
         try:
-            return await self._create(memory_mb, idle_timeout)
+            return await self._create(sid, memory_mb, idle_timeout)
         finally:
             self._starting -= 1
-            self._starting_mb -= memory_mb
 
-    async def _create(self, memory_mb: int, idle_timeout: float | None) -> Session:
-        sid = uuid.uuid4().hex
-        uid = self.settings.session_uid + self._counter % 40000  # own uid: own RLIMIT_NPROC, no signals
+    async def _create(self, sid: str, memory_mb: int, idle_timeout: float | None) -> Session:
+        n = self._counter
         self._counter += 1
+        uid = self.settings.session_uid + n % 40000  # own uid: own RLIMIT_NPROC, no signals
         try:
             sock, child_fds, out, err = open_channels(self.settings, self.zygote.host_uid(uid))
         except OSError as e:
+            self._ended(sid)
             raise SessionError(503, f"could not start a session: {e}") from None
-        group = self._memory_group(sid, memory_mb)  # the session's process joins it (forker.program_main)
+        group = self._memory_group(sid, n, memory_mb)  # joined by the session's process as it prepares
         child_fds += group
         limits = limits_for(self.settings, self.settings.session_cpu_s, memory_mb, self.zygote.map_self, bool(group))
         try:
             exited = self.zygote.spawn({"op": "session", "id": sid, "limits": limits}, child_fds, uid=uid)
-        except ZygoteDied as e:
-            sock.close()
-            out.close()
-            err.close()
-            self._retire_group(sid)
-            raise SessionError(503, str(e)) from None
+        except (ZygoteDied, OSError) as e:  # OSError: the zygote died and we have not yet seen it
+            for channel in (sock, out, err):
+                channel.close()
+            self._ended(sid)
+            raise SessionError(503, f"could not start a session: {e}") from None
         finally:
             for fd in child_fds:
                 os.close(fd)
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:  # cancelled (the server stops) or failed: the session must not outlive this
+            exited.add_done_callback(lambda f: self._ended(sid))
+            self.zygote.control({"op": "kill", "id": sid})
+            for channel in (sock, out, err):
+                channel.close()
+            raise
         session = Session(sid, secrets.token_urlsafe(16), memory_mb, self.settings.clamp_idle(idle_timeout),
                           reader, writer, out, err, exited)
         self.sessions[sid] = session
         exited.add_done_callback(lambda f: self._ended(sid))
         return session
 
-    def _memory_group(self, sid: str, memory_mb: int) -> list[int]:
-        """The session's own memory cgroup, its budget as the limit: [a descriptor the session's process
-        joins it with], or [] where there are no cgroups (RLIMIT_AS then bounds each of its processes)."""
+    def _memory_group(self, sid: str, n: int, memory_mb: int) -> list[int]:
+        """The session's own memory cgroup (`session.<n>`: named by a count, not by the session's id, which
+        its code can read there), its budget as the limit: [a descriptor the session's process joins it
+        with], or [] where there are no cgroups (RLIMIT_AS then bounds each of its processes)."""
         cgroups = self.zygote.cgroups
         if cgroups is None:
             return []
         try:
-            fd = cgroups.open_session(self.zygote.cgroup, sid, memory_mb * MB)
+            fd = cgroups.open_session(self.zygote.cgroup, str(n), memory_mb * MB)
         except OSError as e:
             log.warning("no memory cgroup for a session (%s): its processes get RLIMIT_AS instead", e)
             return []
-        self._group_of[sid] = self.zygote.cgroup
+        self._group_of[sid] = (self.zygote.cgroup, str(n))
         return [fd]
 
     def _ended(self, sid: str) -> None:
+        """The session's processes are gone (or never started): its channels, budget and group go too."""
         session = self.sessions.pop(sid, None)
         if session is not None and not session.lock.locked():
             session.close_channels()
+        self._budgets.pop(sid, None)
         self._retire_group(sid)
 
     def _retire_group(self, sid: str) -> None:
         """Remove the memory group of a session that has ended, and those of earlier ones whose removal
         failed (a group still holding a process that is exiting: tried again at the next session's end)."""
-        worker = self._group_of.pop(sid, None)
+        group = self._group_of.pop(sid, None)
         cgroups = self.zygote.cgroups
-        if worker is not None and cgroups is not None:
-            self._oom_kills += cgroups.oom_kills(worker, (f"session.{sid}",))
-            self._retired.add((worker, sid))
-        for worker, old in list(self._retired):
-            if cgroups is None or cgroups.remove_session(worker, old):
-                self._retired.discard((worker, old))
+        if group is not None and cgroups is not None:
+            self._oom_kills += cgroups.oom_kills(group[0], (f"session.{group[1]}",))
+            self._retired.add(group)
+        for worker, name in list(self._retired):
+            if cgroups is None or cgroups.remove_session(worker, name):
+                self._retired.discard((worker, name))
 
     def get(self, token: str) -> Session:
         """The live session whose token is `token`. Every live token is compared, in constant time, so
@@ -236,7 +253,9 @@ class SessionManager:
                 raise
             finally:
                 session.last_used = time.monotonic()
-            if reply is None:  # the session process is gone (OOM kill, os._exit, CPU budget)
+            if reply is None:  # the session process is gone (OOM kill, os._exit, CPU budget), or it sent garbage
+                if session.reader.at_eof():  # gone: its supervisor reports how it ended, then exits by itself
+                    await _exit_report(session)
                 await self.close(sid)
                 final = await _exit_report(session)
                 session.out.drain()
@@ -292,8 +311,8 @@ class SessionManager:
 
     def status(self) -> dict[str, int]:
         """Counts for /health: live sessions, the cap, and the OOM kills inside sessions' own memory groups."""
-        cgroups, live = self.zygote.cgroups, list(self._group_of.items())
-        oom = self._oom_kills + (sum(cgroups.oom_kills(w, (f"session.{sid}",)) for sid, w in live) if cgroups else 0)
+        cgroups, live = self.zygote.cgroups, list(self._group_of.values())
+        oom = self._oom_kills + (sum(cgroups.oom_kills(w, (f"session.{n}",)) for w, n in live) if cgroups else 0)
         return {"sessions": len(self.sessions), "max_sessions": self.settings.max_sessions, "session_oom_kills": oom}
 
 

@@ -101,14 +101,15 @@ def inodes_for(disk_mb: int) -> int:
     return max(1024, disk_mb * 64)
 
 
-def _fork_program(fork: socket.socket, uid: int) -> _Program:
+def _fork_program(fork: socket.socket, uid: int, cgroup_fd: int | None = None) -> _Program:
     """Have the program forker fork the program's process into our PID namespace; it joins our mount, IPC
-    and network namespaces, prepares itself, then waits for `_release`."""
+    and network namespaces, prepares itself, then waits for `_release`. `cgroup_fd`: a session's own
+    memory group, which the process joins while preparing (a run's comes with the forker's config)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     names = ["pid", *(name for name, _ in forker.JOINED)]
     namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in names]
     try:
-        send_msg(fork, {"op": "fork", "uid": uid}, [theirs.fileno(), *namespaces])
+        send_msg(fork, {"op": "fork", "uid": uid}, [theirs.fileno(), *namespaces, *([cgroup_fd] if cgroup_fd else [])])
     finally:
         theirs.close()
         for fd in namespaces:
@@ -286,15 +287,16 @@ def _read_up_to(fd: int, limit: int) -> bytes:
 
 
 def _session(static: dict[str, Any], fork: socket.socket, msg: dict[str, Any], fds: list[int]) -> NoReturn:
-    """A session: its program process gets the socket; the server's interrupts are passed on to it."""
+    """A session: its program process gets the socket; the server's interrupts are passed on to it. After
+    the socket and stdio, `fds` may hold the session's memory group (sessions.py), joined as it prepares."""
     try:
-        prog = _fork_program(fork, msg["uid"])
+        prog = _fork_program(fork, msg["uid"], fds[3] if msg["limits"]["cgroup_memory"] else None)
         _release(prog, msg["uid"])
     except BaseException as e:  # noqa: BLE001
         os.write(2, f"sandbox: starting a session failed: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED)
     signal.signal(signal.SIGINT, lambda signum, frame: os.kill(prog.pid, signal.SIGINT))
-    send_msg(prog.channel, {"op": "session", "limits": msg["limits"]}, fds)
+    send_msg(prog.channel, {"op": "session", "limits": msg["limits"]}, fds[:3])
     for fd in fds:
         os.close(fd)
     prog.channel.close()

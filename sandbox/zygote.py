@@ -198,7 +198,8 @@ class _Zygote:
             assert self.spare.channel is not None
             send_msg(self.ctl, {"op": "spare", "key": self.spare.key}, [self.spare.channel.fileno()])
 
-    def _fork(self) -> _Child:
+    def _fork(self, held: list[int] | tuple[int, ...] = ()) -> _Child:
+        """A supervisor; `held`: descriptors we received for it, which it gets again over its channel."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         to_forker, forkers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -207,7 +208,7 @@ class _Zygote:
             forkers.close()
         channels = [c.channel.fileno() for c in self.children.values() if c.channel is not None]
         inherited = [self.ctl.fileno(), self.sel.fileno(), self.own_pidns, self.forker.fileno(), self.forker_pidfd,
-                     *self.children, *channels, ours.fileno()]
+                     *self.children, *channels, ours.fileno(), *held]
         libc.unshare(libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
         try:
             pid = os.fork()
@@ -252,7 +253,7 @@ class _Zygote:
             self._claimed(msg)
             return
         try:
-            c = self.spare or self._fork()
+            c = self.spare or self._fork(fds)
         except OSError as e:
             for fd in fds:
                 os.close(fd)

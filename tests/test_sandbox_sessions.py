@@ -189,6 +189,14 @@ print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, _ in kids])
 """
 
 
+def _descriptors(pid: int) -> list[tuple[str, str]]:
+    """(fd, what it points to) of a process; [] for one that exited meanwhile."""
+    try:
+        return [(fd, os.readlink(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd")]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
 def _memory_group(server: ServerProcess, sid: str) -> str:
     """The memory cgroup a session's process is in, as the session reads it."""
     out = session_run(server, sid, "print(open('/proc/self/cgroup').read())")["run_result"]["stdout"]
@@ -206,10 +214,15 @@ def test_each_session_has_its_own_memory_budget_and_the_budgets_are_admitted():
         ids = [call(s, "POST", "/sessions", json={"memory_limit_MB": 300}).json()["session_id"] for _ in range(2)]
         over = call(s, "POST", "/sessions", json={"memory_limit_MB": 200})
         assert over.status_code == 429 and "hold 600 MB of the 700 MB" in over.json()["detail"], over.text
+        never = call(s, "POST", "/sessions", json={"memory_limit_MB": 800})
+        assert never.status_code == 422 and "together may use 700 MB" in never.json()["detail"], never.text
         groups = [_memory_group(s, sid) for sid in ids]
         assert groups[0] != groups[1] and all("/session." in g for g in groups), groups
         mount = next(m for m, fstype, opts in cgroup_mounts() if fstype == "cgroup2" or "memory" in opts)
         assert all(os.path.isdir(mount + g) for g in groups)
+        holders = [(pid, fd) for pid in descendants(s.proc.pid) for fd, target in _descriptors(pid)
+                   if "/session." in target]
+        assert holders == [], f"processes still hold a session group's procs file: {holders}"
         session_run(s, ids[1], "keep = b'k' * (100 << 20)")
         filled = call(s, "POST", f"/sessions/{ids[0]}/run_code", json={"code": HOLD_IN_CHILDREN}).json()
         killed = filled["message"] == "the session ended; its state is gone" or "-9" in filled["run_result"]["stdout"]
