@@ -43,11 +43,9 @@ class Learner:
         if algo.needs_reference and lora:
             self.reference = BaseReference(self.policy)
         self.transport = transport(config)
-        from agentrl.placement import engine_sleeps  # not at the top: placement.py builds Learners
-
         # A sleeping engine on this GPU wakes after the update and needs its memory back: what the step's
         # activations left in torch's cache is returned to the device once the step is done.
-        self.frees_cache = engine_sleeps(config) and torch.cuda.is_available()
+        self.frees_cache = config.engine_sleeps and torch.cuda.is_available()
 
     def learn(self, groups: list[Group]) -> dict[str, float]:
         """Batch, then PPO epochs over the mini-batches: metrics averaged over the optimizer steps."""

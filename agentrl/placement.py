@@ -10,7 +10,7 @@ actors (ray_placement.py). The trainer gets the same interface either way and ne
 On Ray all actors sit in one placement group (ray_placement.Layout says which bundle holds what), by
 `placement.mode`:
 - colocated (vLLM engines): engine i shares learner rank i's GPU (half of its bundle each in Ray's
-  accounting) and sleeps while the learner trains (`engine_sleeps`, as a colocated vLLM engine in one
+  accounting) and sleeps while the learner trains (`RunConfig.engine_sleeps`, as a colocated vLLM engine in one
   process does); the weights reach it by CUDA IPC.
 - split (vLLM engines): engines on GPUs of their own, which never hold learner state; weights go by NCCL
   broadcast from rank 0 to every engine worker.
@@ -58,10 +58,3 @@ def place(config: RunConfig, run_root: Path, tokenizer: Any, engine: Any = None)
     if transport(config) == "nccl":  # split vLLM engines receive full weights by broadcast
         learner.join(engines)
     return learner, engine or EnginePool(engines), placement
-
-
-def engine_sleeps(config: RunConfig) -> bool:
-    """Whether the engine frees its GPU memory while the learner trains: a vLLM engine with sleep_level on,
-    sharing the learner's GPU (not split), in sync mode (async rollout goes on while the learner trains)."""
-    e = config.engine
-    return e.kind == "vllm" and e.sleep_level > 0 and config.placement.mode != "split" and config.trainer.mode == "sync"

@@ -270,6 +270,13 @@ class RunConfig(StrictModel):
                              "LoRA push (model.lora) sends the adapter only: use sleep_level 1 or 0")
 
     @property
+    def engine_sleeps(self) -> bool:
+        """Whether the engine frees its GPU memory while the learner trains: a vLLM engine with sleep_level on,
+        sharing the learner's GPU (not split), in sync mode (async rollout goes on while the learner trains)."""
+        e = self.engine
+        return e.kind == "vllm" and e.sleep_level > 0 and self.placement.mode != "split" and self.trainer.mode == "sync"
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.trainer.run_dir.replace("{name}", self.name))
 

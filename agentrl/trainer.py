@@ -14,7 +14,7 @@ weights: `trainer.max_staleness` in async mode, where the engine (engine/version
 with the policy version that sampled it and takes weight updates between two of its requests, and a group
 whose oldest token is more than `max_staleness` versions old is dropped; 0 in sync mode, where each step's
 groups are drawn after the previous step's update, all sampled by the same weights. Where the placement
-wants it (placement.engine_sleeps: vLLM colocated, sync) the engine sleeps while the learner trains.
+wants it (RunConfig.engine_sleeps: vLLM colocated, sync) the engine sleeps while the learner trains.
 
 A run resumes from its run directory's latest checkpoint with the same data order and the same sampling
 seeds; on the HF engine a synchronous run then samples what the uninterrupted run would have (README:
@@ -35,7 +35,7 @@ from agentrl.config import write_resolved
 from agentrl.engine.process import ProcessEngine
 from agentrl.engine.versioned import VersionedEngine
 from agentrl.eval.evaluate import answer_format, evaluate
-from agentrl.placement import engine_sleeps, place
+from agentrl.placement import place
 from agentrl.prompt_order import PromptSampler
 from agentrl.rewards import close_reward, score, task_reward
 from agentrl.rollout import ErroredSteps, rollout, rollout_metrics
@@ -91,7 +91,7 @@ class Trainer:
                                 t.probe_tolerance, transport(config)) if t.probe_tokens else None)
         self.errored = ErroredSteps(t.max_errored_frac, t.max_errored_steps)
         self.lookahead = t.max_staleness if t.mode == "async" else 0
-        self.sleeps = engine_sleeps(config)
+        self.sleeps = config.engine_sleeps
         chunk = t.chunk_tokens if t.mode == "async" else None  # async: updates wait for a token boundary only
         revive = self._revive_engine if isinstance(self.engine, ProcessEngine) else None
         self.rollout_engine = VersionedEngine(self.engine, self.tokenizer, chunk, timeout_s=config.engine.request_timeout_s,
