@@ -58,6 +58,7 @@ class Setup:
     device: torch.device
     peak_flops: float = 0.0
     n_params: int = 0
+    lengths: tuple[tuple[int, int], tuple[int, int]] | None = None  # --rl-lengths: prompt and response ranges
     rows: list[str] = field(default_factory=list)
     rl_rows: list[str] = field(default_factory=list)
     mem_rows: list[str] = field(default_factory=list)
@@ -72,6 +73,8 @@ class Setup:
         return 256 if self.tiny else 4096
 
     def rl_lengths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        if self.lengths is not None:
+            return self.lengths
         return ((10, 40), (10, 300)) if self.tiny else ((100, 400), (100, 3000))
 
 
@@ -374,6 +377,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per measurement")
     parser.add_argument("--rows-per-step", type=int, default=8, help="full rows (micro-batches) per step")
     parser.add_argument("--rl-per-gpu", type=int, default=48, help="RL-like trajectories per GPU per step")
+    parser.add_argument("--rl-lengths", default=None, metavar="P0:P1:R0:R1",
+                        help="RL-like lengths: prompt U[P0, P1] and response U[R0, R1] tokens (default 100:400:100:3000; "
+                             "a training step's own, e.g. bench_trainer's ToRL steps, are about 40:60:1024:1024)")
     parser.add_argument("--padded-rows", default="2,4", help="rows per padded micro-batch of the baseline")
     parser.add_argument("--chunk", type=int, default=2048, help="logprob chunk tokens")
     parser.add_argument("--memory-variant", default="compiled", help="variant whose worker runs the memory sweep")
@@ -418,8 +424,17 @@ def main() -> None:
         if args.memory_variant not in args.variants:
             args.memory_variant = args.variants[-1]
 
+    lengths = None
+    if args.rl_lengths is not None:
+        try:
+            p0, p1, r0, r1 = (int(x) for x in args.rl_lengths.split(":"))
+        except ValueError:
+            parser.error(f"--rl-lengths: expected P0:P1:R0:R1 (four whole numbers), got {args.rl_lengths!r}")
+        if not (1 <= p0 <= p1 and 1 <= r0 <= r1):
+            parser.error(f"--rl-lengths: expected 1 <= P0 <= P1 and 1 <= R0 <= R1, got {args.rl_lengths!r}")
+        lengths = ((p0, p1), (r0, r1))
     ctx = init_distributed("auto")
-    setup = Setup(tiny, ctx.world_size, ctx.rank, ctx.device)
+    setup = Setup(tiny, ctx.world_size, ctx.rank, ctx.device, lengths=lengths)
     setup.peak_flops, sustained = measure_peak(setup)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM, Qwen2Config
