@@ -176,7 +176,7 @@ def _build_locked(cfg: BuildConfig) -> Manifest:
         ),
         index_params=index_params,
         build=_build_info(state, index_seconds=time.time() - index_started, total_seconds=time.time() - started,
-                          dense=spec is not None) | {"first_duplicate_ids": first_duplicates},
+                          dense=dense) | {"first_duplicate_ids": first_duplicates},
     )  # fmt: skip
     _finish(cfg, work, manifest, state)
     return manifest

@@ -158,10 +158,19 @@ class CgroupSet:
             if os.path.exists(file):
                 _write(file, str(memory_bytes))
 
+    def _memory_leaf(self, worker: str, leaf: str) -> str:
+        """A leaf of the worker's group in the memory hierarchy (v1) or the unified one (v2)."""
+        return os.path.join(self.groups.get("memory") or self.groups["unified"], worker, leaf)
+
+    def _open_procs(self, group: str) -> int:
+        """A write descriptor on `group`'s procs file: writing "0" moves the writer there. The kernel checks
+        the opener's credentials (ours), so a program's process may use it unprivileged."""
+        name = "tasks" if self.version == "v1" else "cgroup.procs"
+        return os.open(os.path.join(group, name), os.O_WRONLY | os.O_CLOEXEC)
+
     def set_run_memory(self, worker: str, memory_bytes: int) -> None:
         """The memory limit of the worker's `run` group (the next run's budget)."""
-        group = self.groups.get("memory") or self.groups["unified"]
-        self._limit_memory(os.path.join(group, worker, "run"), memory_bytes)
+        self._limit_memory(self._memory_leaf(worker, "run"), memory_bytes)
 
     def attach(self, worker: str, pid: int) -> None:
         """Put `pid` (a zygote's launcher, before it forks) in the worker's `zygote` leaf."""
@@ -169,32 +178,27 @@ class CgroupSet:
             _write(os.path.join(group, worker, "zygote", "cgroup.procs"), str(pid))
 
     def open_run_procs(self, worker: str) -> int:
-        """A write descriptor on the `run` group's cgroup.procs: writing "0" moves the writer there. The
-        kernel checks the opener's credentials (ours), so the program's process may use it unprivileged."""
-        group = self.groups.get("memory") or self.groups["unified"]
-        name = "tasks" if self.version == "v1" else "cgroup.procs"
-        return os.open(os.path.join(group, worker, "run", name), os.O_WRONLY | os.O_CLOEXEC)
+        """A write descriptor on the `run` group's procs file (`_open_procs`)."""
+        return self._open_procs(self._memory_leaf(worker, "run"))
 
-    def open_session(self, worker: str, name: str, memory_bytes: int) -> int:
-        """A memory group of its own for one session (`session.<name>` beside the worker's leaves) with
-        `memory_bytes` as its limit; returns a write descriptor on its procs file, as `open_run_procs`.
+    def open_session(self, worker: str, leaf: str, memory_bytes: int) -> int:
+        """A memory group of its own for one session (`leaf`, beside the worker's other leaves) with
+        `memory_bytes` as its limit; returns a write descriptor on its procs file (`_open_procs`).
         Each session's memory is then counted, and reclaimed or OOM-killed, apart from the others' and
         from the zygote's and the forker's."""
-        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{name}")
+        group = self._memory_leaf(worker, leaf)
         os.makedirs(group, exist_ok=True)
         try:
             self._limit_memory(group, memory_bytes)
-            return os.open(os.path.join(group, "tasks" if self.version == "v1" else "cgroup.procs"),
-                           os.O_WRONLY | os.O_CLOEXEC)
+            return self._open_procs(group)
         except OSError:
             _rmdir_quiet(group)
             raise
 
-    def remove_session(self, worker: str, name: str) -> bool:
+    def remove_session(self, worker: str, leaf: str) -> bool:
         """Remove a session's group; False while it still holds a process (the caller tries again later)."""
-        group = os.path.join(self.groups.get("memory") or self.groups["unified"], worker, f"session.{name}")
         try:
-            os.rmdir(group)
+            os.rmdir(self._memory_leaf(worker, leaf))
         except FileNotFoundError:
             return True
         except OSError:
@@ -203,12 +207,11 @@ class CgroupSet:
 
     def oom_kills(self, worker: str, leaves: tuple[str, ...] = ("run", "zygote")) -> int:
         """How many times the kernel OOM-killed inside these groups of the worker (for /health)."""
-        group = self.groups.get("memory") or self.groups.get("unified")
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
         total = 0
         for leaf in leaves:
             try:
-                with open(os.path.join(group or "", worker, leaf, name)) as f:
+                with open(os.path.join(self._memory_leaf(worker, leaf), name)) as f:
                     for line in f:
                         key, _, value = line.partition(" ")
                         if key == "oom_kill":

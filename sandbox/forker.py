@@ -158,7 +158,7 @@ class _Forker:
                     del run.programs[pid]
             return
         try:
-            pid = self._fork(msg["uid"], fds)
+            pid = self._fork(msg["uid"], fds, msg["own_group"])
         except OSError as e:  # the program's channel is closed unused: the supervisor sees that
             os.write(2, f"sandbox: forking a program failed: {e}\n".encode())
             return
@@ -169,13 +169,15 @@ class _Forker:
         run.programs[pid] = pidfd
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", (run, pid)))
 
-    def _fork(self, uid: int, fds: list[int]) -> int:
-        """fds: the program's channel, then the run's PID, mount, IPC and network namespaces, and for a
-        session its own memory group's procs file (a run's program joins the worker's `run` group)."""
+    def _fork(self, uid: int, fds: list[int], own_group: bool) -> int:
+        """fds: the program's channel, then the run's PID, mount, IPC and network namespaces, then, with
+        `own_group` (a session), its own memory group's procs file; a run's program joins the worker's
+        `run` group, whose descriptor came with our config."""
         channel, pidns, *joined = fds
-        cgroup_fd = joined.pop() if len(joined) == len(JOINED) + 1 else self.static.get("cgroup_fd")
+        cgroup_fd = joined.pop() if own_group else self.static.get("cgroup_fd")
         if len(joined) != len(JOINED):
-            raise OSError(f"expected a channel, 4 namespaces and a cgroup at most, got {len(fds)} descriptors")
+            raise OSError(f"expected a channel and 4 namespaces{' and a cgroup' * own_group}, got {len(fds)} "
+                          "descriptors")
         libc.setns(pidns, libc.CLONE_NEWPID)  # only our next child goes there; we stay where we are
         try:
             pid = os.fork()

@@ -78,7 +78,7 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self._starting = 0  # sessions being created: they hold a slot across the awaits of create()
         self._budgets: dict[str, int] = {}  # session id -> its memory budget, from admission until it has ended
-        self._group_of: dict[str, tuple[str, str]] = {}  # session id -> (worker cgroup, name) of its memory group
+        self._group_of: dict[str, tuple[str, str]] = {}  # session id -> (worker cgroup, leaf) of its memory group
         self._retired: set[tuple[str, str]] = set()  # groups of ended sessions still to remove
         self._oom_kills = 0  # OOM kills inside the groups of sessions that have ended
         self._counter = 0
@@ -193,11 +193,11 @@ class SessionManager:
         if cgroups is None:
             return []
         try:
-            fd = cgroups.open_session(self.zygote.cgroup, str(n), memory_mb * MB)
+            fd = cgroups.open_session(self.zygote.cgroup, f"session.{n}", memory_mb * MB)
         except OSError as e:
             log.warning("no memory cgroup for a session (%s): its processes get RLIMIT_AS instead", e)
             return []
-        self._group_of[sid] = (self.zygote.cgroup, str(n))
+        self._group_of[sid] = (self.zygote.cgroup, f"session.{n}")
         return [fd]
 
     def _ended(self, sid: str) -> None:
@@ -214,11 +214,11 @@ class SessionManager:
         group = self._group_of.pop(sid, None)
         cgroups = self.zygote.cgroups
         if group is not None and cgroups is not None:
-            self._oom_kills += cgroups.oom_kills(group[0], (f"session.{group[1]}",))
+            self._oom_kills += cgroups.oom_kills(group[0], group[1:])
             self._retired.add(group)
-        for worker, name in list(self._retired):
-            if cgroups is None or cgroups.remove_session(worker, name):
-                self._retired.discard((worker, name))
+        for worker, leaf in list(self._retired):
+            if cgroups is None or cgroups.remove_session(worker, leaf):
+                self._retired.discard((worker, leaf))
 
     def get(self, token: str) -> Session:
         """The live session whose token is `token`. Every live token is compared, in constant time, so
@@ -312,7 +312,7 @@ class SessionManager:
     def status(self) -> dict[str, int]:
         """Counts for /health: live sessions, the cap, and the OOM kills inside sessions' own memory groups."""
         cgroups, live = self.zygote.cgroups, list(self._group_of.values())
-        oom = self._oom_kills + (sum(cgroups.oom_kills(w, (f"session.{n}",)) for w, n in live) if cgroups else 0)
+        oom = self._oom_kills + (sum(cgroups.oom_kills(w, (leaf,)) for w, leaf in live) if cgroups else 0)
         return {"sessions": len(self.sessions), "max_sessions": self.settings.max_sessions, "session_oom_kills": oom}
 
 

@@ -109,7 +109,9 @@ def _fork_program(fork: socket.socket, uid: int, cgroup_fd: int | None = None) -
     names = ["pid", *(name for name, _ in forker.JOINED)]
     namespaces = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in names]
     try:
-        send_msg(fork, {"op": "fork", "uid": uid}, [theirs.fileno(), *namespaces, *([cgroup_fd] if cgroup_fd else [])])
+        own_group = cgroup_fd is not None
+        send_msg(fork, {"op": "fork", "uid": uid, "own_group": own_group},
+                 [theirs.fileno(), *namespaces, *([cgroup_fd] if own_group else [])])
     finally:
         theirs.close()
         for fd in namespaces:
