@@ -43,11 +43,13 @@ from agentrl.types import Prompt, RewardResult, Segment, StopReason, Trajectory
 QWEN25_15B = SHAPES["qwen2.5-1.5b"] | dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                                           rms_norm_eps=1e-6)
 TINY = SHAPES["tiny"] | dict(vocab_size=2048, max_position_embeddings=4096)
-# name: (torch.compile, activation checkpointing, keep logits for backward, FSDP unit)
-VARIANTS = {"eager": (False, False, False, "block"), "compiled": (True, False, False, "block"),
-            "compiled_keep": (True, False, True, "block"), "compiled_ac": (True, True, False, "block"),
-            "eager_ac": (False, True, False, "block"),
-            "compiled_root": (True, False, True, "model")}  # one FSDP unit: no per-block FSDP hooks
+# name: (torch.compile, activation checkpointing, keep logits for backward, FSDP unit, reshard after forward)
+VARIANTS = {"eager": (False, False, False, "block", False), "compiled": (True, False, False, "block", False),
+            "compiled_keep": (True, False, True, "block", False), "compiled_ac": (True, True, False, "block", False),
+            "eager_ac": (False, True, False, "block", False),
+            "compiled_root": (True, False, True, "model", False),  # one FSDP unit: no per-block FSDP hooks
+            # the same, its weights freed after each forward and gathered again for backward
+            "compiled_root_reshard": (True, False, True, "model", True)}
 
 
 @dataclass
@@ -176,9 +178,9 @@ def mfu(setup: Setup, tokens_per_gpu: float, seconds: float) -> float:
 
 
 def bench_variant(setup: Setup, name: str, args: argparse.Namespace) -> dict[str, float]:
-    compiled, ac, keep, unit = VARIANTS[name]
+    compiled, ac, keep, unit, reshard = VARIANTS[name]
     config = LearnerConfig(compile=compiled, activation_checkpointing=ac, logprob_keep_logits=keep, fsdp_unit=unit,
-                           reshard_after_forward=False, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6),
+                           reshard_after_forward=reshard, logprob_chunk_tokens=args.chunk, optim=OptimConfig(lr=1e-6),
                            attention_kernel=args.attention)
     worker = PolicyWorker(config, AlgoConfig(), model=build_model(setup))
     warmup = 2 if compiled else 1
@@ -454,7 +456,8 @@ def main() -> None:
         f"{setup.peak_flops / 1e12:,.4g} TFLOP/s in a burst of 10 ({sustained / 1e12:,.4g} sustained over a second); "
         "MFU = 6 * params * tokens per GPU / step time / burst peak",
         f"- packed attention: {packed_backend(ctx.device, args.attention)}; logprob chunk {args.chunk} tokens; "
-        f"FSDP2, fp32 master weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False; "
+        f"FSDP2, fp32 master weights, {'bf16' if ctx.device.type == 'cuda' else 'fp32'} compute, reshard_after_forward=False (but "
+        "in *_reshard variants); "
         "one optimizer step per timed step",
         f"- RL-like lengths: prompt U{list(setup.rl_lengths()[0])}, response U{list(setup.rl_lengths()[1])} tokens, "
         f"{args.rl_per_gpu} trajectories per GPU per step",

@@ -90,7 +90,8 @@ def main() -> None:
                "logprobs_s": m["timing/logprobs"], "train_s": m["timing/train"], "sleep_s": m.get("timing/sleep", 0.0),
                "wake_s": m.get("timing/wake", 0.0), "push_s": m["timing/weight_sync"], "other_s": other,
                "other_share": other / (m["timing/step"] - checkpoint), "checkpoint_s": checkpoint,
-               "tokens": m["perf/actor_tokens"]}
+               "tokens": m["perf/actor_tokens"], "train_tokens_per_s": m["perf/actor_tokens_per_s"],
+               "mfu": m.get("perf/actor_mfu")}
         rows.append(row)
         print(f"{row['step']:>4} {row['step_s']:>8.2f} {row['rollout_s']:>8.2f} {row['logprobs_s']:>8.2f} "
               f"{row['train_s']:>8.2f} {row['sleep_s']:>7.2f} {row['wake_s']:>7.2f} {row['push_s']:>7.3f} "
@@ -108,6 +109,9 @@ def main() -> None:
     mean_step = sum(r["step_s"] - r["checkpoint_s"] for r in later) / len(later)
     print(f"learner peak GPU memory {peak_gib:.1f} GiB; mean step {mean_step:.2f} s less checkpoints, "
           f"train {sum(r['train_s'] for r in later) / len(later):.2f} s (steps 2+)")
+    for r in later:  # the update alone: tokens/s and perf/actor_mfu (6·N·T against the device's listed peak)
+        mfu = f", MFU {100 * r['mfu']:.1f}% of the listed peak" if r["mfu"] is not None else ""
+        print(f"step {r['step']} update: {r['tokens']:.0f} tokens, {r['train_tokens_per_s']:,.0f} tokens/s{mfu}")
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": rows, "push": push, "peak_gib": peak_gib, "args": vars(args)},
                                              indent=1))

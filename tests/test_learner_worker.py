@@ -247,9 +247,14 @@ def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
 def test_auto_fsdp_unit(monkeypatch) -> None:
     from agentrl.learner import worker as worker_module
 
-    assert PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1)).fsdp_unit == "model"  # tiny, one rank
+    one = PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1))
+    # tiny, one rank: one unit, kept gathered through the step (freeing it after forward would save nothing)
+    assert (one.fsdp_unit, one.reshard_after_forward) == ("model", False)
+    assert PolicyWorker(_config(reshard_after_forward=True), AlgoConfig(),
+                        model=tiny_lm(seed=1)).reshard_after_forward  # as configured
     monkeypatch.setattr(worker_module, "AUTO_MODEL_UNIT_SHARE", 0.0)  # as if all weights at once did not fit
-    assert PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1)).fsdp_unit == "block"
+    blocks = PolicyWorker(_config(), AlgoConfig(), model=tiny_lm(seed=1))
+    assert (blocks.fsdp_unit, blocks.reshard_after_forward) == ("block", True)
 
 
 @pytest.mark.parametrize("unit", ["block", "model"])

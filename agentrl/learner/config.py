@@ -76,8 +76,11 @@ class LearnerConfig(StrictModel):
         "model (gathered at once, no per-block FSDP hooks: one GPU, or 16-bit weights that fit on each GPU); "
         "auto: model on one rank when that costs at most 15% of the device's memory (worker.auto_unit), else block"
     )
-    reshard_after_forward: bool = Field(
-        True, description="FSDP: free gathered weights after forward (less memory, one more all-gather)"
+    reshard_after_forward: bool | None = Field(
+        None, description="FSDP: free gathered weights after forward (less memory, one more all-gather per "
+        "micro-batch); off, weights also stay gathered across a step's micro-batches. Default (null): off when "
+        "the whole model is one FSDP unit (backward needs all of it at once, so freeing it saves nothing), on "
+        "with per-block units"
     )
     seed: int = 0
     peak_tflops: float | None = Field(None, gt=0, description="the device's dense 16-bit peak, the denominator of "

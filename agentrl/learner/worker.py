@@ -151,10 +151,12 @@ class Worker:
             param.data = param.data.to(self.compute_dtype)
         self.adapted = trainable and bool(frozen)  # LoRA (lora.py): only the adapter trains, syncs and is saved
         self.fsdp_unit = config.fsdp_unit if config.fsdp_unit != "auto" else auto_unit(module, ctx, trainable)
+        self.reshard_after_forward = (config.reshard_after_forward if config.reshard_after_forward is not None
+                                      else self.fsdp_unit == "block")
         self.module = shard(
             module, decoder_blocks(hf_model), ctx,
             param_dtype=self.compute_dtype if trainable and use_bf16 else None,
-            reshard_after_forward=config.reshard_after_forward,
+            reshard_after_forward=self.reshard_after_forward,
             activation_checkpointing=config.activation_checkpointing and trainable,
             compiled=config.compile,
             unit=self.fsdp_unit,
@@ -212,7 +214,7 @@ class Worker:
         last = len(micro_batches) - 1
         # With reshard_after_forward off, weights also stay gathered between the micro-batches of a step
         # (no all-gather per micro-batch); the last backward frees them as usual.
-        keep_gathered = not self.config.reshard_after_forward
+        keep_gathered = not self.reshard_after_forward
         fused = self.grad_accumulation if last > 0 else None  # one micro-batch: FSDP reduces it, no sum
         dropout = self.adapted and self.config.lora is not None and self.config.lora.dropout > 0
         lora.set_dropout(self.module, dropout)  # the adapters' dropout, in training forwards only
