@@ -108,8 +108,9 @@ class BenchEngine(VLLMEngine):
         super().__init__(*args, **kwargs)
         self.lag = FrontendLag(self)  # recorded where the frontend runs, in process mode too
 
-    def set_admission(self, seconds: float) -> None:
+    def set_admission(self, seconds: float, min_in_flight: int = 0) -> None:
         self.admission_interval_s = seconds
+        self.admission_min_in_flight = min_in_flight
 
     def lag_mark(self) -> int:
         return len(self.lag.lags_s)
@@ -312,7 +313,7 @@ def main() -> None:
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
     ap.add_argument("--admission-ms", default="200", help="comma list: the async loop once per VLLMEngine admission "
-                    "interval (200: the engine's default)")
+                    "interval (200: the engine's default); MS@N: waves only while N requests are in flight on an engine")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the modes this many times, interleaved (plain, async, turn_sync, plain, ...); the table "
                          "gives the median rate and the median and range of the per-repeat ratios")
@@ -384,10 +385,11 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     rows = []
     for dist in args.dists.split(","):
         lengths = turn_lengths(len(prompts), args.turns, args.turn_tokens, dist=dist)
-        waves = [float(x) for x in args.admission_ms.split(",")]
+        waves = args.admission_ms.split(",")
         modes = args.modes.split(",")
-        for repeat, (name, wave_ms) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
-            loop.run_until_complete(engine.on_all("set_admission", wave_ms / 1000))
+        for repeat, (name, wave) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
+            wave_ms, _, min_in_flight = wave.partition("@")
+            loop.run_until_complete(engine.on_all("set_admission", float(wave_ms) / 1000, int(min_in_flight or 0)))
             # no mode starts with the prompts an earlier mode left in the prefix cache
             loop.run_until_complete(engine.on_all("reset_prefix_cache"))
             before = loop.run_until_complete(engine.counters())
@@ -408,7 +410,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
                       "child_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
             extra |= lag_summary(loop.run_until_complete(engine.lags_since(marks)))
-            label = f"{name} (admission {wave_ms:g} ms)" if wave_ms else name
+            label = name if name != "async" else f"{name} (admission {float(wave_ms):g} ms" + (
+                f", waves from {min_in_flight} in flight)" if min_in_flight else ")")
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
             print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
@@ -416,12 +419,12 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
     return rows, start_s
 
 
-def schedule(modes: list[str], waves: list[float], repeat: int) -> list[tuple[str, float]]:
+def schedule(modes: list[str], waves: list[str], repeat: int) -> list[tuple[str, str]]:
     """(mode, admission ms) in the order repeat `repeat` runs them: plain, async once per admission setting,
     turn_sync; the admission settings rotate from repeat to repeat, so none always runs first."""
     k = repeat % len(waves)
     turned = waves[k:] + waves[:k]
-    return [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (turned if m == "async" else [0.0])]
+    return [(m, w) for m in ("plain", "async", "turn_sync") if m in modes for w in (turned if m == "async" else ["0"])]
 
 
 def groups(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:

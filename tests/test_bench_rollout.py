@@ -59,9 +59,9 @@ def test_rows_group_by_mode_in_run_order() -> None:
 
 def test_admission_settings_rotate_between_repeats() -> None:
     modes = ["plain", "async", "turn_sync"]
-    assert schedule(modes, [50.0, 200.0], 0) == [("plain", 0.0), ("async", 50.0), ("async", 200.0), ("turn_sync", 0.0)]
-    assert schedule(modes, [50.0, 200.0], 1) == [("plain", 0.0), ("async", 200.0), ("async", 50.0), ("turn_sync", 0.0)]
-    assert schedule(["async"], [0.0], 3) == [("async", 0.0)]
+    assert schedule(modes, ["50", "200@16"], 0) == [("plain", "0"), ("async", "50"), ("async", "200@16"), ("turn_sync", "0")]
+    assert schedule(modes, ["50", "200@16"], 1) == [("plain", "0"), ("async", "200@16"), ("async", "50"), ("turn_sync", "0")]
+    assert schedule(["async"], ["0"], 3) == [("async", "0")]
 
 
 def test_gauges_are_sampled_summed_over_engines_until_cancelled() -> None:

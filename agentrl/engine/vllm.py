@@ -19,7 +19,10 @@ go by CUDA IPC instead (`update_weights_on_gpu`): the workers map the sender's f
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
 graphs). Waves raise the async loop's throughput against admitting every turn at once, and 50 and 200 ms
-waves measured alike (BENCHMARKS.md); a turn waits at most one interval more. While new turns wait, the
+waves measured alike (BENCHMARKS.md); a turn waits at most one interval more. With
+`admission_min_in_flight` = n, a request waits for a wave only while at least n others are in flight on
+the engine: at a rollout's tail, where a few long trajectories are left, there is no batch to gather and a
+wave would only add its wait to their turns. While new turns wait, the
 other trajectories' steps run with fewer sequences, which costs little where steps are bound by
 per-sequence host work, as they are for small models.
 
@@ -72,7 +75,8 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
                  max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
-                 admission_interval_ms: float = 200.0, log_stats: bool = True, lora: dict | None = None,
+                 admission_interval_ms: float = 200.0, admission_min_in_flight: int = 0, log_stats: bool = True,
+                 lora: dict | None = None,
                  **engine_kwargs: Any):
         # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
         # cannot use CUDA then.
@@ -109,6 +113,7 @@ class VLLMEngine:
         self.replicas = replicas
         self.use_request_seeds = use_request_seeds
         self.admission_interval_s = admission_interval_ms / 1000
+        self.admission_min_in_flight = admission_min_in_flight
         self.engine = AsyncLLM.from_engine_args(args)
         self.asleep = False  # sleep() and wake() are idempotent: a revived engine starts awake
         self._in_flight = 0  # generate() calls not yet returned, over all replicas
@@ -141,7 +146,7 @@ class VLLMEngine:
         )
         self._in_flight += 1
         try:
-            if self.admission_interval_s > 0:
+            if self.admission_interval_s > 0 and self._in_flight > self.admission_min_in_flight:
                 await _next_wave(self.admission_interval_s)
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
