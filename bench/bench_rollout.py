@@ -108,7 +108,7 @@ class BenchEngine(VLLMEngine):
         super().__init__(*args, **kwargs)
         self.lag = FrontendLag(self)  # recorded where the frontend runs, in process mode too
 
-    def set_admission(self, seconds: float, min_in_flight: int = 0) -> None:
+    def set_admission(self, seconds: float, min_in_flight: int) -> None:
         self.admission_interval_s = seconds
         self.admission_min_in_flight = min_in_flight
 
@@ -312,8 +312,9 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tool-ms", type=float, default=100.0)
     ap.add_argument("--dists", default="uniform,lognormal", help="turn-length distributions: " + ", ".join(DISTS))
-    ap.add_argument("--admission-ms", default="200", help="comma list: the async loop once per VLLMEngine admission "
-                    "interval (200: the engine's default); MS@N: waves only while N requests are in flight on an engine")
+    ap.add_argument("--admission-ms", default="200@32", help="comma list: the async loop once per VLLMEngine "
+                    "admission setting, MS@N: waves every MS ms while N other requests are in flight on an engine "
+                    "(200@32: the engine's default); MS alone: waves whatever is in flight; 0: no waves")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the modes this many times, interleaved (plain, async, turn_sync, plain, ...); the table "
                          "gives the median rate and the median and range of the per-repeat ratios")

@@ -18,13 +18,14 @@ go by CUDA IPC instead (`update_weights_on_gpu`): the workers map the sender's f
 `admission_interval_ms` (200 by default; 0 turns it off) holds each new request until the next multiple of
 that interval, so that turns ending at staggered times enter the engine together: fewer engine steps then
 mix a new turn's prefill into the decode batch (vLLM runs mixed steps without its full decode CUDA
-graphs). Waves raise the async loop's throughput against admitting every turn at once, and 50 and 200 ms
-waves measured alike (BENCHMARKS.md); a turn waits at most one interval more. With
-`admission_min_in_flight` = n, a request waits for a wave only while at least n others are in flight on
-the engine: at a rollout's tail, where a few long trajectories are left, there is no batch to gather and a
-wave would only add its wait to their turns. While new turns wait, the
-other trajectories' steps run with fewer sequences, which costs little where steps are bound by
-per-sequence host work, as they are for small models.
+graphs); a turn waits at most one interval more. A request waits for a wave only while at least
+`admission_min_in_flight` (32) others are in flight on the engine: at a rollout's tail, where a few long
+trajectories are left, there is no batch to gather and a wave would only add its wait to the turns on the
+rollout's critical path. While new turns wait, the other trajectories' steps run with fewer sequences,
+which costs little where steps are bound by per-sequence host work, as they are for small models. What
+waves are worth depends on where the engine runs (BENCHMARKS.md, Rollout): with the engine in the rollout's
+own process they raised the async loop's throughput; with engines in processes of their own, waves, no
+waves and waves above 32 in flight measured within the runs' spread.
 
 The frontend's per-step work (per running request: detokenising, stop strings, logprobs, stats) is one
 Python event loop per engine, and at a rollout's concurrency it saturates its process and falls behind the
@@ -75,7 +76,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, enable_sleep_mode: bool = False,
                  enforce_eager: bool = False, seed: int = 0, attention_backend: str | None = "TRITON_ATTN",
                  max_num_seqs: int = 1024, max_num_batched_tokens: int = 16384, use_request_seeds: bool = False,
-                 admission_interval_ms: float = 200.0, admission_min_in_flight: int = 0, log_stats: bool = True,
+                 admission_interval_ms: float = 200.0, admission_min_in_flight: int = 32, log_stats: bool = True,
                  lora: dict | None = None,
                  **engine_kwargs: Any):
         # The trainer process has CUDA initialised (the learner shares it), and a forked engine process
