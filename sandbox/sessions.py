@@ -214,7 +214,8 @@ class SessionManager:
         group = self._group_of.pop(sid, None)
         cgroups = self.zygote.cgroups
         if group is not None and cgroups is not None:
-            self._oom_kills += cgroups.oom_kills(group[0], group[1:])
+            worker, leaf = group
+            self._oom_kills += cgroups.oom_kills(worker, (leaf,))
             self._retired.add(group)
         for worker, leaf in list(self._retired):
             if cgroups is None or cgroups.remove_session(worker, leaf):

@@ -44,6 +44,22 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def descriptors(pid: int) -> list[tuple[str, str]]:
+    """(fd, what it points to) of each descriptor a process holds, those closed meanwhile left out; [] for
+    a process that has exited."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            out.append((fd, os.readlink(f"/proc/{pid}/fd/{fd}")))
+        except OSError:
+            continue
+    return out
+
+
 def nested_pids(pid: int) -> list[int] | None:
     """A process's pid in each PID namespace it is in, outermost first (NSpid), or None once it is gone: a
     worker's zygote is [pid, 1] and its forker [pid, 2], a run's supervisor [pid, n, 1] and program [pid, n, 2]."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.testing import ServerProcess, descendants
+from sandbox.testing import ServerProcess, descendants, descriptors
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 FIND_SECRET = f"{SECRET[::-1]!r}[::-1]"  # the secret in a program's code that does not hold it (its own file)
@@ -281,13 +281,8 @@ def test_no_sandbox_process_holds_a_host_file(server, contained):
 
     held = []
     for pid in descendants(server.proc.pid):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in descriptors(pid):
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 st = os.stat(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue

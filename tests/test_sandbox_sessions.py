@@ -23,7 +23,7 @@ from agentrl.tools.code import CodeTool
 from agentrl.types import ToolCall
 from sandbox.cgroups import mounts as cgroup_mounts
 from sandbox.settings import MIN_MEMORY_MB
-from sandbox.testing import ServerProcess, descendants, free_port, sandbox_uid_processes
+from sandbox.testing import ServerProcess, descendants, descriptors, free_port, sandbox_uid_processes
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +189,6 @@ print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, _ in kids])
 """
 
 
-def _descriptors(pid: int) -> list[tuple[str, str]]:
-    """(fd, what it points to) of a process; [] for one that exited meanwhile."""
-    try:
-        return [(fd, os.readlink(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd")]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-
-
 def _memory_group(server: ServerProcess, sid: str) -> str:
     """The memory cgroup a session's process is in, as the session reads it."""
     out = session_run(server, sid, "print(open('/proc/self/cgroup').read())")["run_result"]["stdout"]
@@ -220,7 +212,7 @@ def test_each_session_has_its_own_memory_budget_and_the_budgets_are_admitted():
         assert groups[0] != groups[1] and all("/session." in g for g in groups), groups
         mount = next(m for m, fstype, opts in cgroup_mounts() if fstype == "cgroup2" or "memory" in opts)
         assert all(os.path.isdir(mount + g) for g in groups)
-        holders = [(pid, fd) for pid in descendants(s.proc.pid) for fd, target in _descriptors(pid)
+        holders = [(pid, fd) for pid in descendants(s.proc.pid) for fd, target in descriptors(pid)
                    if "/session." in target]
         assert holders == [], f"processes still hold a session group's procs file: {holders}"
         session_run(s, ids[1], "keep = b'k' * (100 << 20)")
@@ -270,12 +262,7 @@ def test_client_disconnect_kills_the_run(server):
         """The server's Unix sockets (a run's report socket is one); its TCP connections come and go with
         the test's own requests, so they are not counted."""
         unix = {line.split()[6] for line in open(f"/proc/{server.proc.pid}/net/unix").readlines()[1:]}
-        links = []
-        for fd in os.listdir(f"/proc/{server.proc.pid}/fd"):
-            try:
-                links.append(os.readlink(f"/proc/{server.proc.pid}/fd/{fd}"))
-            except OSError:
-                pass  # closed meanwhile
+        links = [target for _, target in descriptors(server.proc.pid)]
         return sum(link.startswith("socket:[") and link[8:-1] in unix for link in links)
 
     assert call(server, "POST", "/run_code", json={"code": "print(1)", "language": "python"}).status_code == 200
