@@ -276,6 +276,28 @@ class RunConfig(StrictModel):
         e = self.engine
         return e.kind == "vllm" and e.sleep_level > 0 and self.placement.mode != "split" and self.trainer.mode == "sync"
 
+    def note_out_of_memory(self, e: BaseException) -> None:
+        """Adds memory_advice to a CUDA out-of-memory error, raised in this process or carried (as its message)
+        from a learner actor."""
+        if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
+            e.add_note(self.memory_advice())
+
+    def memory_advice(self) -> str:
+        """What to change when the GPU runs out of memory in this run: the engine's share while it stays awake
+        beside the learner, and the learner's own memory settings."""
+        e, lr = self.engine, self.learner
+        parts = []
+        if self.placement.shares_gpus(e.kind) and not self.engine_sleeps:
+            why = "async mode" if self.trainer.mode == "async" else "engine.sleep_level 0"
+            parts.append(f"vLLM stays awake beside the learner ({why}) and holds engine.gpu_memory_utilization "
+                         f"({e.gpu_memory_utilization}) of the GPU: lower it")
+        parts.append(f"learner.token_budget ({lr.token_budget}) bounds a micro-batch's activations: lower it")
+        if not lr.activation_checkpointing:
+            parts.append("learner.activation_checkpointing: true recomputes activations in backward instead")
+        if lr.logprob_keep_logits:
+            parts.append("learner.logprob_keep_logits: false recomputes the logits instead of keeping them")
+        return "Out of GPU memory. " + "; ".join(parts) + "."
+
     @property
     def run_dir(self) -> Path:
         return Path(self.trainer.run_dir.replace("{name}", self.name))

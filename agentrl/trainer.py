@@ -127,6 +127,7 @@ class Trainer:
                         self.log(self.step, await self._step())
                 except Exception as e:
                     e.add_note(f"(training step {self.step} of {self.total_steps}; run dir {self.run_dir.root})")
+                    self.config.note_out_of_memory(e)
                     raise
                 finally:
                     for task in background:

@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
+    parser.add_argument("--engine-memory", type=float, default=0.4,
+                        help="vLLM's gpu_memory_utilization (awake beside the learner in async settings: 0.3 on 80 GB)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: one setting
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -95,7 +97,8 @@ def _parse(setting: str) -> list[str]:
 
 def _forward(args: argparse.Namespace) -> list[str]:
     return ["--tokenizer", args.tokenizer, "--shape", args.shape, "--steps", str(args.steps), "--prompts",
-            str(args.prompts), "--n", str(args.n), "--response-tokens", str(args.response_tokens)]
+            str(args.prompts), "--n", str(args.n), "--response-tokens", str(args.response_tokens),
+            "--engine-memory", str(args.engine_memory)]
 
 
 class BusySampler:
@@ -139,7 +142,7 @@ def _child(args: argparse.Namespace) -> None:
         path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
                               response_tokens=args.response_tokens, eager=False)
         config = load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false", "learner.optim.lr=1e-6",
-                                        "engine.gpu_memory_utilization=0.4", *_parse(args.one)])
+                                        f"engine.gpu_memory_utilization={args.engine_memory}", *_parse(args.one)])
         starts: dict[int, float] = {}
         trainer = Trainer(config, on_step_start=lambda step: starts.setdefault(step, time.time()))
         with BusySampler() as busy:

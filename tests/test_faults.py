@@ -40,6 +40,19 @@ def test_losses_that_stay_non_finite_stop_the_run_after_the_limit(tmp_path, monk
     assert m[-1]["actor/skipped_steps"] == 1.0
 
 
+def test_running_out_of_gpu_memory_names_the_settings_to_change(tmp_path, monkeypatch):
+    import torch
+
+    def out_of_memory(self, mb, batch, use_kl):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.16 GiB.")
+
+    monkeypatch.setattr(PolicyWorker, "_micro_loss", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        train(config(tmp_path, "trainer.steps=2", "learner.token_budget=512", *QUICK))
+    notes = "\n".join(raised.value.__notes__)
+    assert "training step 1 of 2" in notes and "learner.token_budget (512)" in notes
+
+
 def test_a_checkpoint_the_disk_cannot_take_stops_the_run_and_leaves_the_last_one_whole(tmp_path, monkeypatch):
     real = Learner.save
 

@@ -191,3 +191,29 @@ def test_the_weight_transport_follows_the_placement_and_lora(sets, expected):
     from agentrl.weight_sync import transport
 
     assert transport(load_run_config(DEBUG, sets)) == expected
+
+
+@pytest.mark.parametrize(("sets", "engine_named"), [
+    (["engine.kind=vllm", "trainer.mode=async"], "async mode"),  # awake while the learner trains
+    (["engine.kind=vllm", "engine.sleep_level=0"], "engine.sleep_level 0"),
+    (["engine.kind=vllm"], None),  # asleep while the learner trains: its share is free then
+    (["engine.kind=vllm", "learner.device=cuda", "placement.mode=split", "trainer.mode=async"], None),  # own GPUs
+    (["engine.kind=hf", "trainer.mode=async"], None),
+])
+def test_out_of_memory_advice_names_the_settings_that_hold_the_memory(sets, engine_named):
+    cfg = load_run_config(DEBUG, [*sets, "engine.gpu_memory_utilization=0.45", "learner.token_budget=4096"])
+    advice = cfg.memory_advice()
+    assert "learner.token_budget (4096)" in advice and "learner.activation_checkpointing: true" in advice
+    assert ("engine.gpu_memory_utilization (0.45)" in advice) == (engine_named is not None)
+    if engine_named:
+        assert f"({engine_named})" in advice
+    kept = load_run_config(DEBUG, ["learner.activation_checkpointing=true", "learner.logprob_keep_logits=true"])
+    assert "activation_checkpointing" not in kept.memory_advice() and "logprob_keep_logits: false" in kept.memory_advice()
+
+
+def test_an_out_of_memory_error_from_an_actor_gets_the_advice_by_its_message():
+    cfg = load_run_config(DEBUG, [])
+    carried, other = RuntimeError("ray: torch.OutOfMemoryError: CUDA out of memory. Tried"), RuntimeError("not finite")
+    cfg.note_out_of_memory(carried)
+    cfg.note_out_of_memory(other)
+    assert carried.__notes__ == [cfg.memory_advice()] and not hasattr(other, "__notes__")
