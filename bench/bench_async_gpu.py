@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     parser.add_argument("--engine-memory", type=float, default=0.4,
-                        help="vLLM's gpu_memory_utilization (awake beside the learner in async settings: 0.3 on 80 GB)")
+                        help="vLLM's gpu_memory_utilization (awake beside the learner in async settings: 0.2 on 80 GB)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: one setting
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

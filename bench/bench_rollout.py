@@ -340,6 +340,10 @@ def main() -> None:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if args.instances < 1:
         raise SystemExit(f"--instances must be at least 1, got {args.instances}")
+    try:
+        [admission(x) for x in args.admission_ms.split(",")]  # before any engine starts
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     modes = args.cudagraph_modes.split(",")
     if len(modes) == 1:
         rows, start = measure(args, modes[0])
@@ -389,8 +393,8 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
         waves = args.admission_ms.split(",")
         modes = args.modes.split(",")
         for repeat, (name, wave) in ((r, x) for r in range(args.repeats) for x in schedule(modes, waves, r)):
-            wave_ms, _, min_in_flight = wave.partition("@")
-            loop.run_until_complete(engine.on_all("set_admission", float(wave_ms) / 1000, int(min_in_flight or 0)))
+            wave_ms, min_in_flight = admission(wave)
+            loop.run_until_complete(engine.on_all("set_admission", wave_ms / 1000, min_in_flight))
             # no mode starts with the prompts an earlier mode left in the prefix cache
             loop.run_until_complete(engine.on_all("reset_prefix_cache"))
             before = loop.run_until_complete(engine.counters())
@@ -411,13 +415,22 @@ def measure(args: argparse.Namespace, graphs: str) -> tuple[list[dict], float]:
                       "child_cpu_share": round((cpu_after[1] - cpu_before[1]) / seconds, 2)}
             extra |= {f"mean_{k}": round(statistics.fmean(v), 1) for k, v in gauges.items() if v}
             extra |= lag_summary(loop.run_until_complete(engine.lags_since(marks)))
-            label = name if name != "async" else f"{name} (admission {float(wave_ms):g} ms" + (
+            label = name if name != "async" else f"{name} (admission {wave_ms:g} ms" + (
                 f", waves from {min_in_flight} in flight)" if min_in_flight else ")")
             rows.append({"graphs": graphs, "dist": dist, "mode": label, "repeat": repeat, "generated_tokens": generated,
                          "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds), **extra})
             print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
     loop.run_until_complete(engine.aclose())
     return rows, start_s
+
+
+def admission(setting: str) -> tuple[float, int]:
+    """An --admission-ms entry, MS or MS@N: (wave interval ms, requests in flight from which waves apply)."""
+    ms, _, min_in_flight = setting.partition("@")
+    try:
+        return float(ms), int(min_in_flight or 0)
+    except ValueError:
+        raise ValueError(f"--admission-ms: {setting!r} is not MS or MS@N (e.g. 200 or 200@32)") from None
 
 
 def schedule(modes: list[str], waves: list[str], repeat: int) -> list[tuple[str, str]]:
