@@ -8,7 +8,10 @@ one after another, the config otherwise the same:
   the learner trains on the last ones (in requests of trainer.chunk_tokens, so a push waits only for a
   token boundary);
 - either followed by `+inproc`: engine.own_process false, vLLM's frontend in the trainer's process (by
-  default it is in a child process of its own; weights go by CUDA IPC either way).
+  default it is in a child process of its own; weights go by CUDA IPC either way);
+- and by `,key=value` config overrides of that setting alone, to compare a setting's variants in one run
+  (`async:1,learner.reshard_after_forward=true`; values without commas). Each row's "vs sync" is against
+  the sync row with the same overrides, else the first sync row.
 Over steps 2+ (step 1 holds vLLM's CUDA-graph warm-up and, in async, the pipeline filling) it prints the
 training tokens/s (tokens trained on per second of step time, checkpoints left out) and its ratio to
 `sync`, the mean step's parts (rollout: generation in sync, the learner's wait for groups in async; drain:
@@ -66,33 +69,50 @@ def main() -> None:
             rows.append(json.loads(result.read_text()))
         if args.out:  # after each setting: what finished survives a later one's failure
             Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
-    syncs = [r["tokens_per_s"] for r in rows if r["setting"] == "sync"] or [
-        r["tokens_per_s"] for r in rows if r["setting"].startswith("sync")]
-    base = syncs[0] if syncs else float("nan")
+    _print_table(args, rows)
+
+
+def _baseline(rows: list[dict], setting: str) -> float:
+    """tokens/s of the sync row with the same `,key=value` overrides as `setting`, else of the first sync row."""
+    extra = setting.partition(",")[2]
+    same = f"sync,{extra}" if extra else "sync"
+    syncs = [r for r in rows if r["setting"] == same] or [r for r in rows if r["setting"].startswith("sync")]
+    return syncs[0]["tokens_per_s"] if syncs else float("nan")
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
     print(f"\nsteps 2-{args.steps}, {args.prompts} prompts x {args.n} samples, {args.response_tokens} response tokens, "
           f"{args.shape}")
+    print("vs sync: against the sync row with the same overrides (else the first sync row)")
     print(f"{'setting':>12} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
           f"{'train':>6} {'sync':>6} {'drain':>6} {'sleep+wake':>10} {'staleness':>9} {'dropped':>7} {'partial':>7}")
     for r in rows:
-        print(f"{r['setting']:>12} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
+        ratio = r["tokens_per_s"] / _baseline(rows, r["setting"])
+        print(f"{r['setting']:>12} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
               f"{r['step_s']:>7.2f} {r['rollout_s']:>7.2f} {r['logprobs_s']:>8.2f} {r['train_s']:>6.2f} "
               f"{r['sync_s']:>6.2f} {r['update_wait_s']:>6.2f} {r['sleep_wake_s']:>10.2f} {r['staleness']:>9.2f} {r['dropped']:>7.0f} "
               f"{100 * r['partial']:>6.1f}%")
 
 
+SETTING = "sync or async:S (S the max staleness, an integer), then optionally +inproc and ,key=value overrides"
+
+
 def _parse(setting: str) -> list[str]:
-    """The config overrides of a setting."""
-    base, _, where = setting.partition("+")
+    """The config overrides of a setting: `sync` or `async:S`, then `+inproc`, then `,key=value` each."""
+    mode, *extra = setting.split(",")
+    bad = [e for e in extra if "=" not in e or not e.partition("=")[0]]
+    if bad:
+        sys.exit(f"setting {setting!r}: override {bad[0]!r} is not key=value; expected {SETTING}")
+    base, _, where = mode.partition("+")
     if where not in ("", "inproc"):
-        sys.exit(f"setting {setting!r}: expected sync or async:S, optionally followed by +inproc")
+        sys.exit(f"setting {setting!r}: expected {SETTING}")
     sets = ["engine.own_process=false"] if where else []
-    if base == "sync":
-        return sets
-    kind, _, staleness = base.partition(":")
-    if kind != "async" or not staleness.isdigit():
-        sys.exit(f"setting {setting!r}: expected sync or async:S (S the max staleness, an integer), optionally "
-                 "followed by +inproc")
-    return [*sets, "trainer.mode=async", f"trainer.max_staleness={staleness}"]
+    if base != "sync":
+        kind, _, staleness = base.partition(":")
+        if kind != "async" or not staleness.isdigit():
+            sys.exit(f"setting {setting!r}: expected {SETTING}")
+        sets += ["trainer.mode=async", f"trainer.max_staleness={staleness}"]
+    return [*sets, *extra]
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
