@@ -54,11 +54,12 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: one setting
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for setting in args.settings:
-        _parse(setting)
     if args.one:
         _child(args)
         return
+    with tempfile.TemporaryDirectory(prefix="bench_async_gpu_check_") as tmp:
+        for setting in args.settings:  # every setting's config loads before the first run starts an engine
+            _config(args, setting, Path(tmp))
     rows = []
     for setting in args.settings:
         with tempfile.TemporaryDirectory(prefix="bench_async_gpu_") as tmp:
@@ -149,20 +150,30 @@ class BusySampler:
         return sum(inside) / len(inside) if inside else float("nan")
 
 
-def _child(args: argparse.Namespace) -> None:
+def _config(args: argparse.Namespace, setting: str, tmp: Path):
+    """The run config of `setting` (its run dir under `tmp`); a bad override fails here, naming it."""
     os.environ["AGENTRL_TOKENIZER"] = args.tokenizer
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
+    from agentrl.config import ConfigError
     from agentrl.run_config import load_run_config
-    from agentrl.trainer import Trainer
     from tests.gpu.test_trainer_gpu import gpu_run_config
+
+    path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
+                          response_tokens=args.response_tokens, eager=False)
+    try:
+        return load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false", "learner.optim.lr=1e-6",
+                                      f"engine.gpu_memory_utilization={args.engine_memory}", *_parse(setting)])
+    except ConfigError as e:
+        sys.exit(f"setting {setting!r}: {e}")
+
+
+def _child(args: argparse.Namespace) -> None:
+    from agentrl.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_async_gpu_run_"))
     try:
-        path = gpu_run_config(tmp, steps=args.steps, prompts=args.prompts, n=args.n, shape=args.shape,
-                              response_tokens=args.response_tokens, eager=False)
-        config = load_run_config(path, ["algo.entropy_coef=0.001", "trainer.export=false", "learner.optim.lr=1e-6",
-                                        f"engine.gpu_memory_utilization={args.engine_memory}", *_parse(args.one)])
+        config = _config(args, args.one, tmp)
         starts: dict[int, float] = {}
         trainer = Trainer(config, on_step_start=lambda step: starts.setdefault(step, time.time()))
         with BusySampler() as busy:
