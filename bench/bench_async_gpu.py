@@ -85,11 +85,12 @@ def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
     print(f"\nsteps 2-{args.steps}, {args.prompts} prompts x {args.n} samples, {args.response_tokens} response tokens, "
           f"{args.shape}")
     print("vs sync: against the sync row with the same overrides (else the first sync row)")
-    print(f"{'setting':>12} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
+    w = max([12, *(len(r["setting"]) for r in rows)])  # settings with overrides are longer than the default column
+    print(f"{'setting':>{w}} {'tokens/s':>9} {'vs sync':>8} {'GPU busy':>9} {'step s':>7} {'rollout':>7} {'logprobs':>8} "
           f"{'train':>6} {'sync':>6} {'drain':>6} {'sleep+wake':>10} {'staleness':>9} {'dropped':>7} {'partial':>7}")
     for r in rows:
         ratio = r["tokens_per_s"] / _baseline(rows, r["setting"])
-        print(f"{r['setting']:>12} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
+        print(f"{r['setting']:>{w}} {r['tokens_per_s']:>9.0f} {ratio:>8.2f} {100 * r['gpu_busy']:>8.1f}% "
               f"{r['step_s']:>7.2f} {r['rollout_s']:>7.2f} {r['logprobs_s']:>8.2f} {r['train_s']:>6.2f} "
               f"{r['sync_s']:>6.2f} {r['update_wait_s']:>6.2f} {r['sleep_wake_s']:>10.2f} {r['staleness']:>9.2f} {r['dropped']:>7.0f} "
               f"{100 * r['partial']:>6.1f}%")
@@ -153,7 +154,8 @@ class BusySampler:
 def _config(args: argparse.Namespace, setting: str, tmp: Path):
     """The run config of `setting` (its run dir under `tmp`); a bad override fails here, naming it."""
     os.environ["AGENTRL_TOKENIZER"] = args.tokenizer
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:  # the parent loads every setting's config, one after another
+        sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     from agentrl.config import ConfigError
     from agentrl.run_config import load_run_config
